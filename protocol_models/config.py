@@ -1,0 +1,361 @@
+"""The strict TOML layer: TOML tables (+ ``--section.key value`` overrides) -> ``Trainer.Config``.
+
+TorchTitan 0.3.0 configures runs with Python functions; users of this plugin edit TOML instead.
+Each TOML table maps by name onto a field of ``ProtocolTrainer.Config`` (``[training]``,
+``[parallelism]``, ``[metrics]``, ``[checkpoint]``, ``[validator]``, ...), plus the plugin's
+``[model]`` (architecture) and ``[protocol]`` (method) tables and a compact ``[optimizer]`` table.
+Unknown keys, wrong types and impossible values raise ``ConfigError`` with one line naming the key
+and what is allowed -- before any worker process starts.
+
+Run ``python -m protocol_models.config --toml FILE [overrides]`` to check a config; it prints the
+number of processes the run needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+from protocol_models.pipeline import SCHEDULES
+from protocol_models.trainer import ProtocolTrainer, ProtocolValidator
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerSettings:
+    """TOML table ``[optimizer]``: one optimizer over all parameters."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = 8e-4
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+
+    def to_container_config(self) -> OptimizersContainer.Config:
+        kwargs = {
+            "lr": self.lr,
+            "betas": tuple(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }
+        return OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=kwargs)
+            ],
+            implementation=self.implementation,
+        )
+
+
+ACTIVATION_CHECKPOINT = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
+_HIDDEN = {"model_spec", "optimizer", "activation_checkpoint", "override", "loss", "tokenizer"}
+
+
+def default_config() -> ProtocolTrainer.Config:
+    """What a TOML file starts from: the bundled Shakespeare data, GPipe, CPU-friendly settings."""
+    return ProtocolTrainer.Config(
+        hf_assets_path=".cache/shakespeare/tokenizer",
+        dump_folder="outputs/run",
+        dataloader=HuggingFaceTextDataLoader.Config(
+            dataset="shakespeare", dataset_path=".cache/shakespeare"
+        ),
+        validator=ProtocolValidator.Config(
+            dataloader=HuggingFaceTextDataLoader.Config(
+                dataset="shakespeare_validation", dataset_path=".cache/shakespeare", infinite=False
+            ),
+        ),
+        training=TrainingConfig(disable_cuda_graphs=True, mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(
+            pipeline_parallel_schedule="GPipe", spmd_backend="partial_dtensor"
+        ),
+        checkpoint=CheckpointManager.Config(enable=False),
+        activation_checkpoint=None,
+    )
+
+
+def load_config(toml_path: str | None, overrides: list[str]) -> ProtocolTrainer.Config:
+    """Build the run's config from a TOML file and ``--section.key value`` overrides."""
+    table: dict[str, Any] = {}
+    if toml_path is not None:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise ConfigError(f"--toml {toml_path}: no such file")
+        try:
+            table = tomli.loads(path.read_text())
+        except tomli.TOMLDecodeError as e:
+            raise ConfigError(f"{toml_path}: TOML syntax error: {e}") from None
+    for key, value in parse_overrides(overrides):
+        _set_path(table, key.split("."), value)
+
+    config = default_config()
+    optimizer = OptimizerSettings()
+    for key, value in table.items():
+        if key == "optimizer":
+            _assign(optimizer, _expect_table(value, key), key)
+        elif key == "activation_checkpoint":
+            if value not in ACTIVATION_CHECKPOINT:
+                raise ConfigError(
+                    f"activation_checkpoint = {value!r}: expected one of "
+                    f"{sorted(ACTIVATION_CHECKPOINT)}"
+                )
+            factory = ACTIVATION_CHECKPOINT[value]
+            config.activation_checkpoint = factory() if factory else None
+        else:
+            _assign(config, {key: value}, "")
+    config.optimizer = optimizer.to_container_config()
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
+    _rerun_post_init(config, "")
+    validate(config)
+    return config
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
+    """``--a.b value`` / ``--a.b=value`` / bare ``--a.b`` (true) -> ``[("a.b", value)]``.
+
+    Values are read as TOML literals (``20``, ``1e-3``, ``true``, ``[1, 2]``) and otherwise kept
+    as strings (``dense``).
+    """
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key value")
+        key, sep, raw = arg[2:].partition("=")
+        if not sep:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                raw, i = argv[i + 1], i + 1
+            else:
+                raw = "true"
+        pairs.append((key, _parse_literal(raw)))
+        i += 1
+    return pairs
+
+
+def _parse_literal(raw: str) -> Any:
+    try:
+        return tomli.loads(f"v = {raw}")["v"]
+    except tomli.TOMLDecodeError:
+        return raw
+
+
+def _set_path(table: dict, keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        table = table.setdefault(key, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--{'.'.join(keys)}: '{key}' is not a table")
+    table[keys[-1]] = value
+
+
+def _expect_table(value: Any, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} = {value!r}: expected a table [{key}]")
+    return value
+
+
+def _field_types(obj: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(obj))
+    return {
+        f.name: hints.get(f.name, Any)
+        for f in dataclasses.fields(obj)
+        if not f.name.startswith("_") and f.name not in _HIDDEN
+    }
+
+
+def _assign(obj: Any, table: dict, prefix: str) -> None:
+    """Set ``obj``'s dataclass fields from ``table``, recursing into sub-tables."""
+    types_ = _field_types(obj)
+    for key, value in table.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if key not in types_:
+            what = "table" if isinstance(value, dict) else "key"
+            where = f"[{prefix}]" if prefix else "the top level"
+            raise ConfigError(f"unknown {what} '{name}' (allowed in {where}: {sorted(types_)})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _assign(current, _expect_table(value, name), name)
+        else:
+            setattr(obj, key, _coerce(value, types_[key], name))
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    if isinstance(value, dict):
+        raise ConfigError(f"'{name}' is a value, not a table")
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arm, name)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{name} = {value!r}: expected {_describe(tp)}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{name} = {value!r}: expected one of {list(args)}")
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} = {value!r}: expected {_describe(tp)}")
+        inner = args[0] if args else Any
+        return [_coerce(v, inner, f"{name}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{name} = {value!r}: expected an integer")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{name} = {value!r}: expected {_describe(tp)}")
+
+
+def _describe(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    if tp in names:
+        return names[tp]
+    if typing.get_origin(tp) is Literal:
+        return f"one of {list(typing.get_args(tp))}"
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if typing.get_origin(tp) in (list, tuple):
+        return f"a list of {_describe(args[0]).removeprefix('an ').removeprefix('a ')}s"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _rerun_post_init(obj: Any, prefix: str) -> None:
+    """Re-run the dataclasses' own validation on the assembled config, as one-line errors."""
+    for f in dataclasses.fields(obj):
+        child = getattr(obj, f.name)
+        if dataclasses.is_dataclass(child) and not isinstance(child, type):
+            _rerun_post_init(child, f"{prefix}.{f.name}" if prefix else f.name)
+    post_init = getattr(obj, "__post_init__", None)
+    if post_init is not None:
+        try:
+            post_init()
+        except (ValueError, AssertionError) as e:
+            where = f"[{prefix}] " if prefix else ""
+            raise ConfigError(f"{where}{e}".replace("\n", " ")) from None
+
+
+def validate(config: ProtocolTrainer.Config) -> None:
+    """Checks that need several keys at once; each failure names the offending key."""
+    model, protocol, par, training = (
+        config.model,
+        config.protocol,
+        config.parallelism,
+        config.training,
+    )
+    pp = par.pipeline_parallel_degree
+    _check(model.dim >= 1, f"model.dim = {model.dim}: must be >= 1")
+    _check(model.n_layers >= 1, f"model.n_layers = {model.n_layers}: must be >= 1")
+    _check(
+        model.n_heads >= 1 and model.dim % model.n_heads == 0,
+        f"model.n_heads = {model.n_heads}: must divide model.dim = {model.dim}",
+    )
+    if model.n_kv_heads is not None:
+        _check(
+            model.n_kv_heads >= 1 and model.n_heads % model.n_kv_heads == 0,
+            f"model.n_kv_heads = {model.n_kv_heads}: must divide model.n_heads = {model.n_heads}",
+        )
+    _check(
+        1 <= protocol.k <= model.dim,
+        f"protocol.k = {protocol.k}: must be an integer in [1, model.dim = {model.dim}]",
+    )
+    _check(pp >= 1, f"parallelism.pipeline_parallel_degree = {pp}: must be >= 1")
+    _check(
+        pp <= model.n_layers,
+        f"parallelism.pipeline_parallel_degree = {pp}: more pipeline stages than "
+        f"model.n_layers = {model.n_layers} (each stage needs at least one layer)",
+    )
+    if protocol.stages is not None:
+        _check(
+            1 <= protocol.stages <= model.n_layers,
+            f"protocol.stages = {protocol.stages}: must be in [1, model.n_layers = "
+            f"{model.n_layers}]",
+        )
+        _check(
+            pp == 1 or protocol.stages == pp,
+            f"protocol.stages = {protocol.stages}: must equal "
+            f"parallelism.pipeline_parallel_degree = {pp} when the run is pipelined",
+        )
+    if pp > 1:
+        _check(
+            par.pipeline_parallel_schedule in SCHEDULES,
+            f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r}: "
+            f"expected one of {list(SCHEDULES)}",
+        )
+        mb = par.pipeline_parallel_microbatch_size
+        _check(
+            mb >= 1 and training.local_batch_size % mb == 0,
+            f"parallelism.pipeline_parallel_microbatch_size = {mb}: must divide "
+            f"training.local_batch_size = {training.local_batch_size}",
+        )
+    _check(training.steps >= 1, f"training.steps = {training.steps}: must be >= 1")
+    _check(training.seq_len >= 1, f"training.seq_len = {training.seq_len}: must be >= 1")
+    _check(
+        training.local_batch_size >= 1,
+        f"training.local_batch_size = {training.local_batch_size}: must be >= 1",
+    )
+    _check(
+        config.metrics.log_freq >= 1,
+        f"metrics.log_freq = {config.metrics.log_freq}: must be >= 1",
+    )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def world_size(config: ProtocolTrainer.Config) -> int:
+    """Processes the run needs: pipeline stages x data-parallel replicas/shards."""
+    par = config.parallelism
+    dp = par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
+    return par.pipeline_parallel_degree * dp * par.tensor_parallel_degree
+
+
+def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Pull ``--toml FILE`` out of ``argv``; the rest are overrides."""
+    rest, toml_path, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == "--toml" and i + 1 < len(argv):
+            toml_path, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--toml="):
+            toml_path, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return toml_path, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check a config; print ``nproc=<N>`` on success, one ``error:`` line on failure."""
+    toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(toml_path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"nproc={world_size(config)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Metrics: TorchTitan's processor plus the wire and subspace figures, and a JSONL sink.
+
+``MetricsProcessor.log`` runs on every rank at log steps, so the pipeline group can agree on the
+figures there: the loss is broadcast from the last stage (the only one that computes it), the wire
+counters are summed over stages (each stage counts what it sends) and the leak is the max over
+boundaries. They reach every logger TorchTitan builds (console, TensorBoard, wandb) and a JSONL
+file ``<dump_folder>/metrics.jsonl`` with one object per log step (validation results go to
+``<dump_folder>/validation.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
+
+from protocol_models.stage import WireMeter
+
+_CANONICAL = {"loss_metrics/global_avg_loss": "loss", "throughput(tps)": "tps"}
+
+
+class JsonlLogger(BaseLogger):
+    """Appends one JSON object per ``log`` call: ``step`` first, then every metric.
+
+    TorchTitan's long metric names for loss and throughput are also written as ``loss``/``tps``.
+    Validation calls (metrics prefixed ``validation_metrics/``) go to a separate file.
+    """
+
+    def __init__(self, train_path: str, validation_path: str):
+        os.makedirs(os.path.dirname(train_path) or ".", exist_ok=True)
+        self.train_path, self.validation_path = train_path, validation_path
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        is_validation = any(k.startswith("validation_metrics/") for k in metrics)
+        record = {"step": step}
+        record.update({_CANONICAL[k]: v for k, v in metrics.items() if k in _CANONICAL})
+        record.update(metrics)
+        path = self.validation_path if is_validation else self.train_path
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class ProtocolMetricsProcessor(MetricsProcessor):
+    """Adds ``wire/*`` and ``subspace/leak`` to every log step and a JSONL sink."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        jsonl: bool = True
+        """Write ``metrics.jsonl`` / ``validation.jsonl`` into the dump folder."""
+
+    wire_meter: WireMeter | None = None
+    """Set by the trainer; summed over the pipeline group at every log step."""
+
+    def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, **kwargs):
+        base = super()._build_metric_logger(
+            config=config, parallel_dims=parallel_dims, dump_folder=dump_folder, **kwargs
+        )
+        if not config.jsonl or dist.get_rank() != _metrics_rank(parallel_dims):
+            return base
+        container = LoggerContainer()
+        container.add_logger(base)
+        container.add_logger(
+            JsonlLogger(
+                os.path.join(dump_folder, "metrics.jsonl"),
+                os.path.join(dump_folder, "validation.jsonl"),
+            )
+        )
+        return container
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        loss, max_loss = self._from_last_stage([global_avg_loss, global_max_loss])
+        metrics = dict(extra_metrics or {})
+        metrics.update(self._wire_metrics())
+        super().log(step, loss, max_loss, grad_norm, extra_metrics=metrics)
+
+    def log_validation(self, loss, step, extra_metrics=None):
+        (loss,) = self._from_last_stage([loss])
+        super().log_validation(loss, step, extra_metrics=extra_metrics)
+
+    def _pp_group(self):
+        if not self.parallel_dims.pp_enabled:
+            return None
+        return self.parallel_dims.get_mesh("pp").get_group()
+
+    def _from_last_stage(self, values: list[float]) -> list[float]:
+        group = self._pp_group()
+        if group is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.broadcast(t, group=group, group_src=dist.get_world_size(group) - 1)
+        return t.tolist()
+
+    def _wire_metrics(self) -> dict[str, float]:
+        meter = self.wire_meter
+        group = self._pp_group()
+        if meter is None or group is None:
+            return {}
+        leaks = [m.pop_boundary_leak() for m in self.model_parts or []]
+        leaks = [v for v in leaks if v is not None]
+        sums = torch.tensor(
+            [sum(meter.fwd.values()), sum(meter.bwd.values()), sum(meter.dense.values())],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(sums, group=group)
+        leak = torch.tensor([max(leaks, default=-1.0)], dtype=torch.float64)
+        dist.all_reduce(leak, op=dist.ReduceOp.MAX, group=group)
+        fwd, bwd, dense = sums.tolist()
+        metrics = {
+            "wire/fwd_bytes": fwd,
+            "wire/bwd_bytes": bwd,
+            "wire/dense_bytes": dense,
+            "wire/compression_ratio": dense / (fwd + bwd) if fwd + bwd else 0.0,
+        }
+        if leak.item() >= 0:
+            metrics["subspace/leak"] = leak.item()
+        return metrics
+
+
+def _metrics_rank(parallel_dims) -> int:
+    """First rank of the last pipeline stage: where TorchTitan logs (and loss lives)."""
+    if not parallel_dims.pp_enabled:
+        return 0
+    return (parallel_dims.world_size // parallel_dims.pp) * (parallel_dims.pp - 1)

@@ -1,0 +1,83 @@
+"""The plugin's ``ModelSpec.pipelining_fn``: one ``WirePipelineStage`` per pipeline rank.
+
+It mirrors TorchTitan's ``pipeline_llm`` contract -- returns ``(schedule, model_parts,
+has_first_stage, has_last_stage)`` -- but splits the model with ``stage_layer_ranges`` (the same
+split the model used to decide which blocks are constrained) and builds our stage subclass.
+Only single-stage-per-rank schedules (GPipe, 1F1B) are supported; the config layer refuses others.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from protocol_models.model import stage_layer_ranges
+from protocol_models.stage import WireMeter, WirePipelineStage
+
+SCHEDULES = ("GPipe", "1F1B")
+
+
+def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """A deep copy of ``model`` holding only what ``stage`` runs; everything else set to None.
+
+    Root buffers (``basis``, ``token_table``) are kept on every stage. Layer keys keep their
+    global ids, so checkpoints of any layout share parameter names.
+    """
+    chunk = copy.deepcopy(model)
+    keep = {str(i) for i in stage_layer_ranges(len(chunk.layers), n_stages)[stage]}
+    for name in [n for n in chunk.layers.keys() if n not in keep]:
+        del chunk.layers[name]
+    if stage != 0:
+        chunk.tok_embeddings = None
+    if stage != n_stages - 1:
+        chunk.norm = None
+        chunk.lm_head = None
+    return chunk
+
+
+def pipeline_protocol(
+    model: nn.Module,
+    *,
+    parallel_dims,
+    training,
+    parallelism,
+    compile_config,
+    ac_config,
+    dump_folder: str,
+    device: torch.device,
+    model_config,
+    parallelize_fn,
+    loss_fn,
+    meter: WireMeter,
+):
+    """Split ``model`` for this pipeline rank, parallelize the chunk, and build the schedule."""
+    pp_mesh = parallel_dims.get_mesh("pp")
+    n_stages, stage_index = pp_mesh.size(), pp_mesh.get_local_rank()
+    chunk = split_stage(model, stage_index, n_stages)
+    chunk = parallelize_fn(
+        chunk,
+        parallel_dims=parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        compile_config=compile_config,
+        ac_config=ac_config,
+        dump_folder=dump_folder,
+    )
+    stage = WirePipelineStage(
+        chunk, stage_index, n_stages, device, group=pp_mesh.get_group("pp"), meter=meter
+    )
+
+    def scalar_loss(*args, **kwargs) -> torch.Tensor:
+        loss, _ = loss_fn(*args, **kwargs)
+        return loss
+
+    schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)(
+        stage,
+        n_microbatches=training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
+        loss_fn=scalar_loss,
+        scale_grads=False,
+    )
+    return schedule, [chunk], stage.is_first, stage.is_last

@@ -1,0 +1,47 @@
+"""Worker entry point: ``torchrun ... -m protocol_models.train --toml FILE [--section.key value]``.
+
+The config is checked before anything else (one ``error:`` line and exit code 2 on bad input);
+then TorchTitan's real Trainer runs, as ``torchtitan.train.main`` would run it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from protocol_models import data
+from protocol_models.config import ConfigError, load_config, split_argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(toml_path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    data.register_datasets()
+    trainer = config.build()
+    try:
+        if config.checkpoint.create_seed_checkpoint:
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                raise SystemExit("error: checkpoint.create_seed_checkpoint needs a single process")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

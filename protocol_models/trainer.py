@@ -1,0 +1,88 @@
+"""TorchTitan Trainer and Validator extensions for Protocol Models.
+
+* The ``ModelSpec`` is derived from the config's ``[model]`` and ``[protocol]`` tables, with the
+  plugin's pipelining function bound to this trainer's wire meter.
+* Token ids reach every pipeline stage as the forward kwarg ``token_ids``: every rank of a
+  pipeline group reads the same microbatches, so ids never cross the wire.
+* With the causal ``sdpa`` backend, the dataloader's per-document ``positions`` are dropped so
+  RoPE sees the same packed-sequence positions the causal mask uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torchtitan.components.validate import Validator
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.trainer import Trainer
+
+from protocol_models.metrics import ProtocolMetricsProcessor
+from protocol_models.model import ModelArch, ProtocolSettings, build_model_spec
+from protocol_models.pipeline import pipeline_protocol
+from protocol_models.stage import WireMeter
+
+
+def add_protocol_kwargs(
+    inputs: torch.Tensor, extra_kwargs: dict[str, Any], model_config
+) -> dict[str, Any]:
+    """Forward kwargs every stage receives: the token ids ``[mb, seq]`` (and positions unless the
+    attention is plain causal SDPA)."""
+    extra_kwargs["token_ids"] = inputs
+    inner = model_config.first_attention.inner_attention
+    if isinstance(inner, ScaledDotProductAttention.Config):
+        extra_kwargs.pop("positions", None)
+    return extra_kwargs
+
+
+class ProtocolValidator(Validator):
+    """TorchTitan's Validator, passing token ids to every stage."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Validator.Config):
+        pass
+
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        inputs, labels, extra = super().post_dataloading_process(input_dict, labels, model_parts)
+        return inputs, labels, add_protocol_kwargs(inputs, extra, model_parts[0].config)
+
+
+class ProtocolTrainer(Trainer):
+    """TorchTitan's Trainer for a Protocol LLaMA; see the module docstring."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        model: ModelArch = field(default_factory=ModelArch)
+        protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
+        metrics: ProtocolMetricsProcessor.Config = field(
+            default_factory=ProtocolMetricsProcessor.Config
+        )
+        validator: ProtocolValidator.Config = field(default_factory=ProtocolValidator.Config)
+
+        @property
+        def layout_stages(self) -> int:
+            """The pipeline layout the model is built for."""
+            return self.protocol.stages or self.parallelism.pipeline_parallel_degree
+
+    def __init__(self, config: Config):
+        self.wire_meter = WireMeter(dim=config.model.dim)
+        config.model_spec = build_model_spec(
+            config.model,
+            config.protocol,
+            config.layout_stages,
+            pipelining_fn=partial(pipeline_protocol, meter=self.wire_meter),
+        )
+        super().__init__(config)
+        self.metrics_processor.wire_meter = self.wire_meter
+
+    def post_dataloading_process(self, input_dict, labels):
+        inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
+        return inputs, labels, add_protocol_kwargs(inputs, extra, self.model_config)
+
+    def train_step(self, data_iterator):
+        self.wire_meter.reset()
+        for part in self.model_parts:
+            part.pop_boundary_leak()
+        super().train_step(data_iterator)
