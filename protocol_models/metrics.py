@@ -34,6 +34,7 @@ class JsonlLogger(BaseLogger):
     def __init__(self, train_path: str, validation_path: str):
         os.makedirs(os.path.dirname(train_path) or ".", exist_ok=True)
         self.train_path, self.validation_path = train_path, validation_path
+        self._opened: set[str] = set()
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         is_validation = any(k.startswith("validation_metrics/") for k in metrics)
@@ -41,8 +42,22 @@ class JsonlLogger(BaseLogger):
         record.update({_CANONICAL[k]: v for k, v in metrics.items() if k in _CANONICAL})
         record.update(metrics)
         path = self.validation_path if is_validation else self.train_path
+        if path not in self._opened:
+            _drop_records_from(path, step)
+            self._opened.add(path)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _drop_records_from(path: str, step: int) -> None:
+    """Keep only records before ``step``: a fresh run starts the file anew, a resumed run
+    continues it without duplicating the steps it replays."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] < step]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 class ProtocolMetricsProcessor(MetricsProcessor):
@@ -96,26 +111,30 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         return t.tolist()
 
     def _wire_metrics(self) -> dict[str, float]:
-        meter = self.wire_meter
-        group = self._pp_group()
+        """Per-step totals and per-boundary bytes (``wire/fwd_bytes/b0`` is boundary 0 -> 1)."""
+        meter, group = self.wire_meter, self._pp_group()
         if meter is None or group is None:
             return {}
-        leaks = [m.pop_boundary_leak() for m in self.model_parts or []]
-        leaks = [v for v in leaks if v is not None]
-        sums = torch.tensor(
-            [sum(meter.fwd.values()), sum(meter.bwd.values()), sum(meter.dense.values())],
+        boundaries = range(self.parallel_dims.pp - 1)
+        counts = torch.tensor(
+            [[float(c[b]) for b in boundaries] for c in (meter.fwd, meter.bwd, meter.dense)],
             dtype=torch.float64,
         )
-        dist.all_reduce(sums, group=group)
-        leak = torch.tensor([max(leaks, default=-1.0)], dtype=torch.float64)
+        dist.all_reduce(counts, group=group)
+        leaks = [m.pop_boundary_leak() for m in self.model_parts or []]
+        leak = torch.tensor([max((v for v in leaks if v is not None), default=-1.0)])
         dist.all_reduce(leak, op=dist.ReduceOp.MAX, group=group)
-        fwd, bwd, dense = sums.tolist()
+
+        fwd, bwd, dense = (float(v) for v in counts.sum(dim=1))
         metrics = {
             "wire/fwd_bytes": fwd,
             "wire/bwd_bytes": bwd,
             "wire/dense_bytes": dense,
             "wire/compression_ratio": dense / (fwd + bwd) if fwd + bwd else 0.0,
         }
+        for b in boundaries:
+            metrics[f"wire/fwd_bytes/b{b}"] = float(counts[0, b])
+            metrics[f"wire/bwd_bytes/b{b}"] = float(counts[1, b])
         if leak.item() >= 0:
             metrics["subspace/leak"] = leak.item()
         return metrics
