@@ -1,0 +1,47 @@
+"""Shared helpers: real ``torchrun`` launches of the plugin's worker entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "tests" / "tiny.toml"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bundled_data():
+    """The Shakespeare data and tokenizer, prepared once (a no-op when already there)."""
+    from protocol_models import data
+
+    return data.prepare(REPO / ".cache" / "shakespeare")
+
+
+def torchrun(nproc: int, dump_folder: Path, *overrides: str, toml: Path = TINY, env=None):
+    """Run ``protocol_models.train`` on ``nproc`` CPU processes; return the JSONL records."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc),
+        "-m", "protocol_models.train", "--toml", str(toml),
+        "--dump_folder", str(dump_folder),
+        "--parallelism.pipeline_parallel_degree", str(nproc),
+        *overrides,
+    ]  # fmt: skip
+    result = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert result.returncode == 0, (
+        f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    )
+    metrics = dump_folder / "metrics.jsonl"
+    return read_jsonl(metrics) if metrics.exists() else []
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

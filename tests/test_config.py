@@ -1,0 +1,53 @@
+"""The TOML layer: tables map onto TorchTitan's config, CLI overrides win, types are enforced."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO
+
+from protocol_models.config import ConfigError, load_config, parse_overrides
+
+DEBUG = str(REPO / "configs" / "debug_cpu.toml")
+
+
+def test_tables_reach_trainer_config():
+    config = load_config(DEBUG, [])
+    assert config.model.dim == 256 and config.protocol.k == 8
+    assert config.parallelism.pipeline_parallel_schedule == "GPipe"
+    assert config.training.local_batch_size == 8
+    (group,) = config.optimizer.param_groups
+    assert group.optimizer_name == "AdamW" and group.optimizer_kwargs["lr"] == 1e-3
+    assert config.loss.global_vocab_size == config.model.vocab_size
+
+
+def test_cli_overrides_win_over_toml():
+    config = load_config(
+        DEBUG, ["--protocol.mode", "dense", "--training.steps=7", "--optimizer.lr", "2e-4"]
+    )
+    assert config.protocol.mode == "dense"
+    assert config.training.steps == 7
+    assert config.optimizer.param_groups[0].optimizer_kwargs["lr"] == 2e-4
+
+
+def test_override_literals():
+    assert parse_overrides(["--a.b", "3", "--c", "--d.e=x y", "--f", "[1, 2]"]) == [
+        ("a.b", 3), ("c", True), ("d.e", "x y"), ("f", [1, 2]),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--protocol.k", "1.5"], "protocol.k = 1.5: expected an integer"),
+        (["--training.dtype", "float8"], "training.dtype = 'float8': expected one of"),
+        (["--model", "3"], "model = 3: expected a table [model]"),
+        (["--activation_checkpoint", "some"], "activation_checkpoint = 'some'"),
+        (["--protocol.stages", "3"], "protocol.stages = 3: must equal"),
+        (["--checkpoint.create_seed_checkpoint"], "needs checkpoint.enable"),
+    ],
+)
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(DEBUG, overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,117 @@
+"""In-process checks of the model and codec: exact reconstruction, k-dim wire both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol_models import subspace
+from protocol_models.model import (
+    ModelArch,
+    ProtocolSettings,
+    build_model_config,
+    stage_layer_ranges,
+)
+from protocol_models.pipeline import split_stage
+
+ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)
+
+
+def _model(mode: str, stages: int, k: int = 4):
+    model = build_model_config(ARCH, ProtocolSettings(mode=mode, k=k, seed=3), stages).build()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+        for p in model.parameters():  # move every factor away from its (small) init
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _ids(seed=1, batch=2, seq=16):
+    return torch.randint(
+        0, ARCH.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def test_basis_and_table_are_a_function_of_the_seed():
+    u1, f1 = subspace.make_basis_and_table(5, 64, 8, 100)
+    u2, f2 = subspace.make_basis_and_table(5, 64, 8, 100)
+    u3, _ = subspace.make_basis_and_table(6, 64, 8, 100)
+    assert torch.equal(u1, u2) and torch.equal(f1, f2) and not torch.equal(u1, u3)
+    assert torch.allclose(u1.T @ u1, torch.eye(8), atol=1e-6)
+
+
+def test_codec_is_lossless_exactly_on_the_subspace():
+    basis, table = subspace.make_basis_and_table(0, 64, 8, 100)
+    ids = _ids(seq=10) % 100
+    on = table[ids] + torch.randn(2, 10, 8) @ basis.T
+    off = on + 0.1 * torch.randn(2, 10, 64)
+    c = subspace.encode(on, ids, basis, table)
+    assert c.shape == (2, 10, 8)
+    assert torch.allclose(subspace.decode(c, ids, basis, table), on, atol=1e-5)
+    assert subspace.leak(on, ids, basis, table) < 1e-6
+    assert subspace.leak(off, ids, basis, table) > 1e-2
+    assert not torch.allclose(
+        subspace.decode(subspace.encode(off, ids, basis, table), ids, basis, table), off, atol=1e-3
+    )
+
+
+def test_stage_ranges_cover_all_layers():
+    assert [list(r) for r in stage_layer_ranges(8, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [len(r) for r in stage_layer_ranges(4, 4)] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["subspace", "dense"])
+def test_constraint_layout(mode):
+    model = _model(mode, stages=2)
+    for layer_id, block in model.layers.items():
+        constrained = mode == "subspace" and int(layer_id) < 2
+        assert block.constrained == constrained
+        width = 4 if constrained else ARCH.dim
+        assert block.attention.wo.weight.shape[0] == width
+        assert block.feed_forward.w2.weight.shape[0] == width
+    assert model.tok_embeddings.weight.shape[1] == (4 if mode == "subspace" else ARCH.dim)
+    assert model.lm_head.weight.shape == (ARCH.vocab_size, ARCH.dim)
+
+
+@pytest.mark.parametrize(("mode", "stages"), [("subspace", 2), ("subspace", 4), ("dense", 2)])
+def test_chained_stages_equal_the_whole_model(mode, stages):
+    """Forward through stages, passing only the wire tensor; backward with the wire gradient.
+    Logits and every parameter gradient must match the unsplit model."""
+    whole = _model(mode, stages)
+    ids = _ids()
+    whole(ids, token_ids=ids).logsumexp(-1).mean().backward()
+
+    parts = [split_stage(whole, s, stages) for s in range(stages)]
+    for p in parts:
+        p.zero_grad()
+    wire_inputs, out = [], ids
+    for s, part in enumerate(parts):
+        if s > 0:
+            out = out.detach().requires_grad_()
+            wire_inputs.append(out)
+        out = part(out, token_ids=ids)
+        if s < stages - 1:
+            assert out.shape == (2, 16, 4 if mode == "subspace" else ARCH.dim)
+    loss = out.logsumexp(-1).mean()
+    # backward stage by stage, as the pipeline does: only the wire gradient crosses
+    grad = torch.autograd.grad(loss, [wire_inputs[-1], *parts[-1].parameters()], allow_unused=True)
+    for p, g in zip(parts[-1].parameters(), grad[1:], strict=True):
+        p.grad = g
+    wire_grad = grad[0]
+    for s in range(stages - 2, -1, -1):
+        assert wire_grad.shape == wire_inputs[s].shape  # the gradient is k-dim too
+        outputs = parts[s](wire_inputs[s - 1] if s > 0 else ids, token_ids=ids)
+        inputs = ([wire_inputs[s - 1]] if s > 0 else []) + list(parts[s].parameters())
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs=wire_grad, allow_unused=True)
+        for p, g in zip(parts[s].parameters(), grads[1 if s > 0 else 0 :], strict=True):
+            p.grad = g
+        wire_grad = grads[0] if s > 0 else None
+
+    whole_grads = dict(whole.named_parameters())
+    for part in parts:
+        for name, p in part.named_parameters():
+            ref = whole_grads[name].grad
+            assert torch.allclose(p.grad, ref, rtol=1e-4, atol=1e-6), name
+    if mode == "subspace":
+        assert all(part.pop_boundary_leak() < 1e-5 for part in parts[:-1])
