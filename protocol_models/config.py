@@ -335,6 +335,16 @@ def validate(config: ProtocolTrainer.Config) -> None:
         training.local_batch_size >= 1,
         f"training.local_batch_size = {training.local_batch_size}: must be >= 1",
     )
+    wan = config.wan
+    for key in ("bandwidth_mbps", "latency_ms"):
+        value = getattr(wan, key)
+        _check(value >= 0, f"wan.{key} = {value}: must be >= 0 (0 = unlimited / none)")
+        per = getattr(wan, f"{key}_per_boundary")
+        _check(
+            not per or (len(per) == pp - 1 and min(per) >= 0),
+            f"wan.{key}_per_boundary = {per}: expected {pp - 1} non-negative values "
+            f"(one per pipeline boundary)",
+        )
     _check(
         not config.checkpoint.create_seed_checkpoint or config.checkpoint.enable,
         "checkpoint.create_seed_checkpoint = true needs checkpoint.enable = true",

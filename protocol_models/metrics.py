@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
+from protocol_models.link import SimulatedLink
 from protocol_models.stage import WireMeter
 
 _CANONICAL = {"loss_metrics/global_avg_loss": "loss", "throughput(tps)": "tps"}
@@ -70,6 +71,8 @@ class ProtocolMetricsProcessor(MetricsProcessor):
 
     wire_meter: WireMeter | None = None
     """Set by the trainer; summed over the pipeline group at every log step."""
+    link: SimulatedLink | None = None
+    """Set by the trainer when ``[wan]`` is on: ``wan/wait_s`` and ``wan/wire_s`` per step."""
 
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, **kwargs):
         base = super()._build_metric_logger(
@@ -137,6 +140,10 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             metrics[f"wire/bwd_bytes/b{b}"] = float(counts[1, b])
         if leak.item() >= 0:
             metrics["subspace/leak"] = leak.item()
+        if self.link is not None:
+            wan = torch.tensor([self.link.wait_s, self.link.wire_s], dtype=torch.float64)
+            dist.all_reduce(wan, group=group)
+            metrics["wan/wait_s"], metrics["wan/wire_s"] = wan.tolist()
         return metrics
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from protocol_models.link import SimulatedLink
 from protocol_models.model import stage_layer_ranges
 from protocol_models.stage import WireMeter, WirePipelineStage
 
@@ -52,6 +53,7 @@ def pipeline_protocol(
     parallelize_fn,
     loss_fn,
     meter: WireMeter,
+    link: SimulatedLink | None = None,
 ):
     """Split ``model`` for this pipeline rank, parallelize the chunk, and build the schedule."""
     pp_mesh = parallel_dims.get_mesh("pp")
@@ -67,7 +69,7 @@ def pipeline_protocol(
         dump_folder=dump_folder,
     )
     stage = WirePipelineStage(
-        chunk, stage_index, n_stages, device, group=pp_mesh.get_group("pp"), meter=meter
+        chunk, stage_index, n_stages, device, group=pp_mesh.get_group("pp"), meter=meter, link=link
     )
 
     def scalar_loss(*args, **kwargs) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Summarize a finished run from its JSONL metrics: first/last loss, validation, wire bytes.
 
-    python -m protocol_models.report CONFIG.toml [--section.key value ...]
+python -m protocol_models.report CONFIG.toml [--section.key value ...]
 """
 
 from __future__ import annotations

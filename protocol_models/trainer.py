@@ -19,6 +19,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.trainer import Trainer
 
+from protocol_models.link import LinkSettings, SimulatedLink
 from protocol_models.metrics import ProtocolMetricsProcessor
 from protocol_models.model import ModelArch, ProtocolSettings, build_model_spec
 from protocol_models.pipeline import pipeline_protocol
@@ -60,6 +61,7 @@ class ProtocolTrainer(Trainer):
             default_factory=ProtocolMetricsProcessor.Config
         )
         validator: ProtocolValidator.Config = field(default_factory=ProtocolValidator.Config)
+        wan: LinkSettings = field(default_factory=LinkSettings)
 
         @property
         def layout_stages(self) -> int:
@@ -68,14 +70,16 @@ class ProtocolTrainer(Trainer):
 
     def __init__(self, config: Config):
         self.wire_meter = WireMeter(dim=config.model.dim)
+        self.link = SimulatedLink(config.wan) if config.wan.enabled else None
         config.model_spec = build_model_spec(
             config.model,
             config.protocol,
             config.layout_stages,
-            pipelining_fn=partial(pipeline_protocol, meter=self.wire_meter),
+            pipelining_fn=partial(pipeline_protocol, meter=self.wire_meter, link=self.link),
         )
         super().__init__(config)
         self.metrics_processor.wire_meter = self.wire_meter
+        self.metrics_processor.link = self.link
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
@@ -83,6 +87,8 @@ class ProtocolTrainer(Trainer):
 
     def train_step(self, data_iterator):
         self.wire_meter.reset()
+        if self.link is not None:
+            self.link.reset_counters()
         for part in self.model_parts:
             part.pop_boundary_leak()
         super().train_step(data_iterator)

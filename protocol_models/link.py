@@ -1,0 +1,132 @@
+"""A slow-link simulator at the pipeline stage's send/recv hooks (TOML table ``[wan]``).
+
+The model is ProtocolNanoGPT's (METHOD §8.1), receiver-side and schedule-agnostic:
+
+* each rank has **one inbound wire**, shared by forward activations (from rank - 1) and backward
+  gradients (from rank + 1);
+* a message sent at ``sent_at`` over boundary ``b`` becomes available at
+  ``start + 8 * bytes / bandwidth_b + latency_b`` with ``start = max(wire_free, sent_at)``, and the
+  wire is busy until then (latency is serialized: stop-and-wait per message);
+* the sender's wall-clock stamp travels as an extra 8-byte message that is not billed;
+* time really passes: the receiving stage sleeps until the message is available, so step time and
+  tokens/s are measured, not computed. Validation (eval mode) runs with the link off.
+
+Stamps use ``time.time()``; across machines that assumes synchronized clocks (NTP). The simulator
+is meant for single-machine benchmarks of a slow-link deployment.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(kw_only=True, slots=True)
+class LinkSettings:
+    """TOML table ``[wan]``. Off unless a bandwidth or latency is set."""
+
+    bandwidth_mbps: float = 0.0
+    """Link bandwidth in Mbit/s (0 = unlimited)."""
+    latency_ms: float = 0.0
+    """One-way latency per message in ms."""
+    bandwidth_mbps_per_boundary: list[float] = field(default_factory=list)
+    """Optional per-boundary bandwidths (boundary i joins stages i, i + 1); overrides the above."""
+    latency_ms_per_boundary: list[float] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(
+            self.bandwidth_mbps
+            or self.latency_ms
+            or any(self.bandwidth_mbps_per_boundary)
+            or any(self.latency_ms_per_boundary)
+        )
+
+    def bandwidth_bps(self, boundary: int) -> float:
+        """Bits per second over ``boundary``; ``inf`` when unlimited."""
+        per = self.bandwidth_mbps_per_boundary
+        mbps = per[boundary] if boundary < len(per) else self.bandwidth_mbps
+        return mbps * 1e6 if mbps > 0 else float("inf")
+
+    def latency_s(self, boundary: int) -> float:
+        per = self.latency_ms_per_boundary
+        return (per[boundary] if boundary < len(per) else self.latency_ms) / 1e3
+
+    def transfer_s(self, boundary: int, nbytes: int) -> float:
+        """Time a message occupies the wire: ``8 * bytes / bandwidth + latency``."""
+        return 8 * nbytes / self.bandwidth_bps(boundary) + self.latency_s(boundary)
+
+
+@dataclass
+class Delivery:
+    """One simulated message, as the receiver saw it (seconds since the epoch)."""
+
+    direction: str
+    boundary: int
+    nbytes: int
+    sent_at: float
+    available_at: float
+    ready_at: float
+    """When the receiver went on; equals ``available_at`` (plus sleep jitter) when it waited."""
+    waited: bool
+
+
+class SimulatedLink:
+    """The inbound wire of one rank. Stages register expected messages when they build their
+    recv ops and wait for them right before consuming them (``forward_one_chunk`` /
+    ``backward_one_chunk``)."""
+
+    def __init__(self, settings: LinkSettings):
+        self.settings = settings
+        self.wire_free = 0.0
+        self.wait_s = 0.0
+        self.wire_s = 0.0
+        self.log: list[Delivery] = []
+        self._pending: dict[tuple[str, int], tuple[int, int, torch.Tensor]] = {}
+
+    def reset_counters(self) -> None:
+        """Start a new accounting window (the wire's state carries over)."""
+        self.wait_s = self.wire_s = 0.0
+        self.log.clear()
+
+    @staticmethod
+    def stamp_op(data_op: dist.P2POp) -> dist.P2POp:
+        """The unbilled 8-byte send of the sender's clock, to the data message's peer."""
+        stamp = torch.tensor([time.time()], dtype=torch.float64, device=data_op.tensor.device)
+        return dist.P2POp(dist.isend, stamp, data_op.peer, data_op.group)
+
+    def expect_op(
+        self, direction: str, chunk: int, boundary: int, data_ops: list[dist.P2POp]
+    ) -> dist.P2POp:
+        """The matching receive of the stamp; remembers the message for ``wait``."""
+        nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in data_ops)
+        stamp = torch.zeros(1, dtype=torch.float64, device=data_ops[-1].tensor.device)
+        self._pending[(direction, chunk)] = (boundary, nbytes, stamp)
+        return dist.P2POp(dist.irecv, stamp, data_ops[-1].peer, data_ops[-1].group)
+
+    def wait(self, direction: str, chunk: int) -> None:
+        """Sleep until message ``(direction, chunk)`` is available on this rank's wire
+        (no-op when this stage received nothing for it, e.g. the first stage's forward)."""
+        if (direction, chunk) not in self._pending:
+            return
+        boundary, nbytes, stamp = self._pending.pop((direction, chunk))
+        sent_at = float(stamp.item())
+        start = max(self.wire_free, sent_at)
+        transfer = self.settings.transfer_s(boundary, nbytes)
+        self.wire_free = start + transfer
+        self.wire_s += transfer
+        now = time.time()
+        waited = self.wire_free > now
+        if waited:
+            time.sleep(self.wire_free - now)
+            self.wait_s += self.wire_free - now
+        self.log.append(
+            Delivery(direction, boundary, nbytes, sent_at, self.wire_free, time.time(), waited)
+        )
+
+    def discard(self, direction: str, chunk: int) -> None:
+        """Forget an expected message without delay (eval passes run with the link off)."""
+        self._pending.pop((direction, chunk), None)
