@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         trainer.close()
     if torch.distributed.is_initialized():
+        # all ranks tear the process group down together: none may still have traffic in flight
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0
 
