@@ -19,52 +19,22 @@ import logging
 import sys
 import types
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
+from protocol_models.errors import ConfigError
+from protocol_models.optimizers import OptimizerSettings
 from protocol_models.pipeline import SCHEDULES
 from protocol_models.trainer import ProtocolTrainer, ProtocolValidator
 
-
-class ConfigError(ValueError):
-    """A one-line, user-facing configuration error."""
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimizerSettings:
-    """TOML table ``[optimizer]``: one optimizer over all parameters."""
-
-    name: Literal["adamw"] = "adamw"
-    lr: float = 8e-4
-    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
-
-    def to_container_config(self) -> OptimizersContainer.Config:
-        kwargs = {
-            "lr": self.lr,
-            "betas": tuple(self.betas),
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-        }
-        return OptimizersContainer.Config(
-            param_groups=[
-                ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=kwargs)
-            ],
-            implementation=self.implementation,
-        )
-
+__all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "validate", "world_size"]
 
 ACTIVATION_CHECKPOINT = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 _TOP_LEVEL_SPECIAL = ("activation_checkpoint", "optimizer")
@@ -88,7 +58,7 @@ def default_config() -> ProtocolTrainer.Config:
         parallelism=ParallelismConfig(
             pipeline_parallel_schedule="GPipe", spmd_backend="partial_dtensor"
         ),
-        checkpoint=CheckpointManager.Config(enable=False),
+        checkpoint=CheckpointManager.Config(enable=False, last_save_model_only=False),
         activation_checkpoint=None,
     )
 
@@ -142,6 +112,7 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
     _rerun_post_init(config, "")
     validate(config)
+    validate_environment(config)
     return config
 
 
@@ -353,6 +324,121 @@ def validate(config: ProtocolTrainer.Config) -> None:
         config.metrics.log_freq >= 1,
         f"metrics.log_freq = {config.metrics.log_freq}: must be >= 1",
     )
+
+
+def validate_environment(config: ProtocolTrainer.Config) -> None:
+    """Checks against the file system: data, tokenizer, dump folder, checkpoint to resume."""
+    from protocol_models import data
+
+    data.register_datasets()
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    for key, loader in (("dataloader", config.dataloader), ("validator.dataloader", None)):
+        loader = loader or config.validator.dataloader
+        if key == "validator.dataloader" and not config.validator.enable:
+            continue
+        _check(
+            loader.dataset in DATASETS,
+            f"{key}.dataset = {loader.dataset!r}: expected one of {sorted(DATASETS)}",
+        )
+        path = loader.dataset_path
+        if path is not None and not Path(path).exists():
+            bundled = loader.dataset.startswith("shakespeare") and Path(path) == data.DEFAULT_CACHE
+            _check(
+                bundled,
+                f"{key}.dataset_path = {path!r}: no such directory"
+                + (
+                    f" (prepare it with: python -m protocol_models.data --cache {path})"
+                    if loader.dataset.startswith("shakespeare")
+                    else ""
+                ),
+            )
+    _check_tokenizer(config, data)
+    _check_writable(config.dump_folder)
+    _check_resumable(config)
+
+
+def _check_tokenizer(config: ProtocolTrainer.Config, data) -> None:
+    tokenizer_json = Path(config.hf_assets_path) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        _check(
+            Path(config.hf_assets_path) == data.DEFAULT_CACHE / "tokenizer",
+            f"hf_assets_path = {config.hf_assets_path!r}: no tokenizer.json there",
+        )
+        return
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+    _check(
+        size <= config.model.vocab_size,
+        f"model.vocab_size = {config.model.vocab_size}: smaller than the tokenizer's {size} "
+        f"tokens ({tokenizer_json}); use model.vocab_size >= {size}",
+    )
+
+
+def _check_writable(dump_folder: str) -> None:
+    """The nearest existing ancestor of ``dump_folder`` must be a directory we can write in
+    (probed with a temporary file that is removed at once; nothing is left behind)."""
+    import tempfile
+
+    path = Path(dump_folder).absolute()
+    ancestor = next(p for p in [path, *path.parents] if p.exists())
+    try:
+        _check(ancestor.is_dir(), f"dump_folder = {dump_folder!r}: {ancestor} is not a directory")
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"dump_folder = {dump_folder!r}: not writable ({e.strerror}: {ancestor})"
+        ) from None
+
+
+def _check_resumable(config: ProtocolTrainer.Config) -> None:
+    """A checkpoint the run would load must hold this config's parameter shapes."""
+    checkpoint = _checkpoint_to_load(config)
+    if checkpoint is None:
+        return
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from protocol_models.model import build_model_config
+
+    with torch.device("meta"):
+        model = build_model_config(config.model, config.protocol, config.layout_stages).build()
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    for name, tensor in model.state_dict().items():
+        _check(
+            name in saved,
+            f"checkpoint {checkpoint} does not hold parameter {name} of this model "
+            "([model] or [protocol] differ from the run that wrote it)",
+        )
+        saved_shape = tuple(getattr(saved[name], "size", ()))
+        _check(
+            saved_shape == tuple(tensor.shape),
+            f"checkpoint {checkpoint} was written by a different model: {name} is "
+            f"{list(saved_shape)} there but {list(tensor.shape)} with this config "
+            f"(protocol.k = {config.protocol.k}, model.dim = {config.model.dim}); "
+            "resume with the settings that wrote it or use another dump_folder",
+        )
+
+
+def _checkpoint_to_load(config: ProtocolTrainer.Config) -> Path | None:
+    """What TorchTitan's checkpointer would load at start: the newest complete ``step-N`` in
+    the run's checkpoint folder, else ``checkpoint.initial_load_path``."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return None
+    folder = Path(config.dump_folder) / ckpt.folder
+    steps = sorted(
+        (int(p.name.split("-")[1]), p)
+        for p in folder.glob("step-*")
+        if p.name.split("-")[1].isdigit() and (p / ".metadata").is_file()
+    )
+    if steps:
+        return steps[-1][1]
+    if ckpt.initial_load_path and (Path(ckpt.initial_load_path) / ".metadata").is_file():
+        return Path(ckpt.initial_load_path)
+    return None
 
 
 def _check(ok: bool, message: str) -> None:

@@ -12,16 +12,22 @@ import sys
 import torch
 
 from protocol_models import data
-from protocol_models.config import ConfigError, load_config, split_argv
+from protocol_models.config import load_config, split_argv
+from protocol_models.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+    """Exit codes: 0 done, 2 a user error (config, start-up check, non-finite guard)."""
     try:
-        config = load_config(toml_path, overrides)
-    except ConfigError as e:
+        run(*split_argv(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def run(toml_path: str | None, overrides: list[str]) -> None:
+    config = load_config(toml_path, overrides)
 
     from torchtitan.tools.logging import init_logger, logger
 
@@ -31,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if config.checkpoint.create_seed_checkpoint:
             if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-                raise SystemExit("error: checkpoint.create_seed_checkpoint needs a single process")
+                raise UserError("checkpoint.create_seed_checkpoint needs a single process")
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")
         else:
@@ -42,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         # all ranks tear the process group down together: none may still have traffic in flight
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

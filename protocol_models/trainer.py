@@ -10,15 +10,18 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchtitan.components.validate import Validator
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.trainer import Trainer
 
+from protocol_models.errors import StartupError
 from protocol_models.link import LinkSettings, SimulatedLink
 from protocol_models.metrics import ProtocolMetricsProcessor
 from protocol_models.model import ModelArch, ProtocolSettings, build_model_spec
@@ -80,15 +83,51 @@ class ProtocolTrainer(Trainer):
         super().__init__(config)
         self.metrics_processor.wire_meter = self.wire_meter
         self.metrics_processor.link = self.link
+        self.check_stages_agree()
+
+    def check_stages_agree(self) -> None:
+        """Every pipeline stage must hold the same subspace (U, F and their seed) and layout;
+        a mismatch (e.g. two nodes launched with different [protocol] settings) would decode
+        silently wrong activations, so it stops the run before step 1."""
+        if not self.parallel_dims.pp_enabled:
+            return
+        mine = (*self._protocol_identity(), _fingerprint(self.model_parts[0]))
+        group = self.parallel_dims.get_mesh("pp").get_group()
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        if len(set(everyone)) > 1:
+            stages = "; ".join(
+                f"stage {i}: mode={m}, k={k}, seed={s}, dim={d}, U/F sha256 {h[:12]}"
+                for i, (m, k, s, d, h) in enumerate(everyone)
+            )
+            raise StartupError(
+                f"pipeline stages disagree on the subspace ({stages}); every node must run "
+                "the same [model] and [protocol] settings"
+            )
+
+    def _protocol_identity(self) -> tuple:
+        protocol, model = self.config.protocol, self.config.model
+        return (protocol.mode, protocol.k, protocol.seed, model.dim)
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         return inputs, labels, add_protocol_kwargs(inputs, extra, self.model_config)
 
     def train_step(self, data_iterator):
+        self.optimizers.current_step = self.step
         self.wire_meter.reset()
         if self.link is not None:
             self.link.reset_counters()
         for part in self.model_parts:
             part.pop_boundary_leak()
         super().train_step(data_iterator)
+
+
+def _fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of the frozen U and F this stage holds ("" in dense mode)."""
+    digest = hashlib.sha256()
+    for name in ("basis", "token_table"):
+        buffer = getattr(model, name, None)
+        if buffer is not None:
+            digest.update(buffer.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

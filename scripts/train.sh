@@ -6,6 +6,8 @@
 #   NNODES        number of nodes (default 1); with NNODES>1 also set
 #   NODE_RANK, MASTER_ADDR, MASTER_PORT (c10d rendezvous on MASTER_ADDR:MASTER_PORT)
 #   LOG_RANK      local ranks whose output is shown (default: the last one, where the loss lives)
+#   MAX_RESTARTS  restart the whole job this many times after a worker dies (default 0); with
+#                 [checkpoint] enable = true it resumes from the newest complete checkpoint
 #   PYTHON        interpreter with protocol_models installed (default: .venv/bin/python)
 set -euo pipefail
 if [ $# -lt 1 ]; then
@@ -32,6 +34,6 @@ else
     rdzv=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK}" --rdzv_backend c10d
           --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}")
 fi
-exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node "$NGPU" \
-    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+exec "$PYTHON" -m protocol_models.launch "${rdzv[@]}" --nproc_per_node "$NGPU" \
+    --max-restarts "${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m protocol_models.train --toml "$config" "$@"

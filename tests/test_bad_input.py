@@ -1,12 +1,16 @@
-"""Bad configs are refused by the launcher with one line naming the key, before any worker."""
+"""Bad input is refused with one line naming the problem and what is allowed: by the launcher's
+check before any worker starts (and without touching the dump folder), or -- for a seed mismatch
+between nodes, which only the stages themselves can see -- at start-up, before step 1."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, TINY, torchrun
 
 DEBUG = REPO / "configs" / "debug_cpu.toml"
 
@@ -20,6 +24,14 @@ CASES = {
     "wrong type": (["--training.steps", "many"], "training.steps"),
     "unknown mode": (["--protocol.mode", "topk"], "protocol.mode"),
     "unsupported schedule": (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "pipeline_parallel_schedule"),
+    "unknown optimizer": (["--optimizer.name", "sgd"], "optimizer.name"),
+    "negative bandwidth": (["--wan.bandwidth_mbps", "-5"], "wan.bandwidth_mbps"),
+    "per-boundary list of wrong length": (["--wan.latency_ms_per_boundary", "[10, 20]"], "wan.latency_ms_per_boundary"),
+    "missing dataset path": (["--dataloader.dataset_path", "/nonexistent/shakespeare"], "dataloader.dataset_path"),
+    "unknown dataset": (["--dataloader.dataset", "c5"], "dataloader.dataset"),
+    "tokenizer larger than the model vocabulary": (["--model.vocab_size", "4096"], "model.vocab_size"),
+    "missing tokenizer": (["--hf_assets_path", "/nonexistent/tokenizer"], "hf_assets_path"),
+    "unwritable dump folder": (["--dump_folder", "/proc/protocol_models_run"], "dump_folder"),
 }  # fmt: skip
 
 
@@ -27,19 +39,68 @@ CASES = {
 def test_refused_before_any_worker(tmp_path, case):
     overrides, key = CASES[case]
     dump = tmp_path / "dump"
+    _assert_refused(["--dump_folder", str(dump), *overrides], key)
+    assert not dump.exists(), "a worker started and wrote into the dump folder"
+
+
+def _assert_refused(args: list[str], key: str, toml=DEBUG) -> str:
     start = time.monotonic()
     result = subprocess.run(
-        ["bash", "scripts/train.sh", str(DEBUG), "--dump_folder", str(dump), *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        ["bash", "scripts/train.sh", str(toml), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and key in lines[0], lines[0]
     assert "Traceback" not in result.stdout + result.stderr
-    assert not dump.exists(), "a worker started and wrote into the dump folder"
+    assert "Mbit" not in result.stdout and "step:" not in result.stdout, "a worker started"
     assert elapsed < 10, f"refusal took {elapsed:.1f}s"
+    return lines[0]
+
+
+def test_resume_with_a_different_k_is_refused(tmp_path):
+    dump = tmp_path / "run"
+    torchrun(2, dump, "--training.steps", "2", "--checkpoint.enable")
+    before = sorted(str(p) for p in dump.rglob("*"))
+    line = _assert_refused(
+        ["--dump_folder", str(dump), "--checkpoint.enable", "--protocol.k", "8"],
+        "protocol.k",
+        toml=TINY,
+    )
+    assert "[8192, 4] there but [8192, 8]" in line
+    assert sorted(str(p) for p in dump.rglob("*")) == before, "the dump folder was modified"
+
+
+def test_seed_mismatch_between_nodes_is_refused_at_startup(tmp_path):
+    """Two torchrun "nodes" (one stage each) launched with different protocol.seed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "protocol_models.launch", "--nnodes", "2", "--node_rank", str(rank),
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--nproc_per_node", "1",
+             "-m", "protocol_models.train", "--toml", str(TINY), "--dump_folder", str(tmp_path / f"node{rank}"),
+             "--protocol.seed", str(seed)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank, seed in ((0, 7), (1, 8))
+    ]  # fmt: skip
+    for node in nodes:
+        out, err = node.communicate(timeout=300)
+        assert node.returncode != 0
+        assert (
+            "error: pipeline stages disagree on the subspace" in err
+            and "seed=7" in err
+            and "seed=8" in err
+        )
+        assert "Traceback" not in out + err
+        assert "step:  1" not in out + err, "training started"
 
 
 def test_toml_syntax_error_names_the_file(tmp_path):

@@ -1,0 +1,17 @@
+"""User-facing errors: reported as one ``error: ...`` line and a non-zero exit, no traceback."""
+
+
+class UserError(Exception):
+    """A problem with the run's input or state that the user can fix; ``str(e)`` is one line."""
+
+
+class ConfigError(UserError, ValueError):
+    """A bad TOML key, type or value (found before any worker starts)."""
+
+
+class StartupError(UserError):
+    """The pipeline stages disagree about something they must share (found at start-up)."""
+
+
+class NonFiniteError(UserError):
+    """A non-finite loss or gradient norm stopped the run (the last good checkpoint is kept)."""
