@@ -63,22 +63,51 @@ def default_config() -> ProtocolTrainer.Config:
     )
 
 
-def load_config(toml_path: str | None, overrides: list[str]) -> ProtocolTrainer.Config:
-    """Build the run's config from a TOML file and ``--section.key value`` overrides."""
-    table: dict[str, Any] = {}
-    if toml_path is not None:
-        path = Path(toml_path)
-        if not path.is_file():
-            raise ConfigError(f"--toml {toml_path}: no such file")
-        try:
-            table = tomli.loads(path.read_text())
-        except tomli.TOMLDecodeError as e:
-            raise ConfigError(f"{toml_path}: TOML syntax error: {e}") from None
+def load_config(
+    toml_path: str | None, overrides: list[str], *, check_environment: bool = True
+) -> ProtocolTrainer.Config:
+    """Build the run's config from a TOML file and ``--section.key value`` overrides.
+
+    ``check_environment=False`` skips the file-system checks (data, tokenizer, dump folder,
+    checkpoint), e.g. to plan a cluster run on a laptop.
+    """
+    table = read_toml(Path(toml_path)) if toml_path is not None else {}
     for key, value in parse_overrides(overrides):
         _set_path(table, key.split("."), value)
 
     with _quiet_warnings():
-        return _build(table)
+        config = _build(table)
+    if check_environment:
+        validate_environment(config)
+    return config
+
+
+def read_toml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Parse ``path``; a top-level ``base = "other.toml"`` (relative to the file) is read first
+    and this file's tables are merged over it, key by key."""
+    if not path.is_file():
+        raise ConfigError(f"--toml {path}: no such file")
+    try:
+        table = tomli.loads(path.read_text())
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}") from None
+    base = table.pop("base", None)
+    if base is None:
+        return table
+    parent = (path.parent / base).resolve()
+    if parent in _seen:
+        raise ConfigError(f"{path}: base = {base!r} includes itself")
+    merged = read_toml(parent, (*_seen, path.resolve()))
+    _merge(merged, table)
+    return merged
+
+
+def _merge(into: dict, table: dict) -> None:
+    for key, value in table.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 @contextlib.contextmanager
@@ -112,7 +141,6 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
     _rerun_post_init(config, "")
     validate(config)
-    validate_environment(config)
     return config
 
 

@@ -26,9 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     # gets a fresh store on a fresh port.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # where torchelastic copies a failed worker's error record (else it logs that it has none)
-    os.environ.setdefault(
-        "TORCHELASTIC_ERROR_FILE", os.path.join(tempfile.mkdtemp(), "error.json")
-    )
+    os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(tempfile.mkdtemp(), "error.json"))
     try:
         torchrun_main(sys.argv[1:] if argv is None else argv)
     except ChildFailedError as e:

@@ -10,14 +10,20 @@ file ``<dump_folder>/metrics.jsonl`` with one object per log step (validation re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
+from torchtitan.components.metrics import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    WandBLogger,
+)
 
 from protocol_models.link import SimulatedLink
 from protocol_models.stage import WireMeter
@@ -61,13 +67,39 @@ def _drop_records_from(path: str, step: int) -> None:
         f.writelines(kept)
 
 
+class ConfiguredWandbLogger(WandBLogger):
+    """TorchTitan's wandb logger, initialized from ``[metrics]`` keys instead of environment
+    variables (which still apply where a key is unset, e.g. ``WANDB_MODE=offline``)."""
+
+    def __init__(self, log_dir: str, config: ProtocolMetricsProcessor.Config, config_dict=None):
+        import wandb
+
+        self.wandb, self.tag = wandb, None
+        os.makedirs(log_dir, exist_ok=True)
+        wandb.init(
+            project=config.wandb_project or os.getenv("WANDB_PROJECT", "protocol-models"),
+            entity=config.wandb_entity or os.getenv("WANDB_ENTITY"),
+            name=config.wandb_run_name or os.getenv("WANDB_RUN_NAME"),
+            group=config.wandb_group or os.getenv("WANDB_RUN_GROUP"),
+            tags=config.wandb_tags or None,
+            dir=log_dir,
+            config=config_dict,
+        )
+
+
 class ProtocolMetricsProcessor(MetricsProcessor):
-    """Adds ``wire/*`` and ``subspace/leak`` to every log step and a JSONL sink."""
+    """Adds ``wire/*``, ``wan/*`` and ``subspace/leak`` to every log step, a JSONL sink, and
+    wandb settings from TOML."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
         jsonl: bool = True
         """Write ``metrics.jsonl`` / ``validation.jsonl`` into the dump folder."""
+        wandb_project: str | None = None
+        wandb_entity: str | None = None
+        wandb_run_name: str | None = None
+        wandb_group: str | None = None
+        wandb_tags: list[str] = field(default_factory=list)
 
     wire_meter: WireMeter | None = None
     """Set by the trainer; summed over the pipeline group at every log step."""
@@ -76,12 +108,23 @@ class ProtocolMetricsProcessor(MetricsProcessor):
 
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, **kwargs):
         base = super()._build_metric_logger(
-            config=config, parallel_dims=parallel_dims, dump_folder=dump_folder, **kwargs
+            config=dataclasses.replace(config, enable_wandb=False),
+            parallel_dims=parallel_dims,
+            dump_folder=dump_folder,
+            **kwargs,
         )
-        if not config.jsonl or dist.get_rank() != _metrics_rank(parallel_dims):
+        if dist.get_rank() != _metrics_rank(parallel_dims):
             return base
         container = LoggerContainer()
         container.add_logger(base)
+        if config.enable_wandb:
+            container.add_logger(
+                ConfiguredWandbLogger(
+                    os.path.join(dump_folder, "wandb"), config, kwargs.get("config_dict")
+                )
+            )
+        if not config.jsonl:
+            return container
         container.add_logger(
             JsonlLogger(
                 os.path.join(dump_folder, "metrics.jsonl"),
@@ -136,8 +179,12 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             "wire/compression_ratio": dense / (fwd + bwd) if fwd + bwd else 0.0,
         }
         for b in boundaries:
-            metrics[f"wire/fwd_bytes/b{b}"] = float(counts[0, b])
-            metrics[f"wire/bwd_bytes/b{b}"] = float(counts[1, b])
+            fwd_b, bwd_b, dense_b = (float(counts[i, b]) for i in range(3))
+            metrics[f"wire/fwd_bytes/b{b}"] = fwd_b
+            metrics[f"wire/bwd_bytes/b{b}"] = bwd_b
+            metrics[f"wire/compression_ratio/b{b}"] = (
+                dense_b / (fwd_b + bwd_b) if fwd_b + bwd_b else 0.0
+            )
         if leak.item() >= 0:
             metrics["subspace/leak"] = leak.item()
         if self.link is not None:

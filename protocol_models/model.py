@@ -41,6 +41,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from protocol_models import subspace
 
 Mode = Literal["subspace", "dense"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Attention = Literal["sdpa", "flex", "varlen"]
 
 
@@ -62,6 +63,13 @@ class ModelArch:
     """``sdpa`` (causal, CPU friendly), or ``flex``/``varlen`` (per-document masks, GPU)."""
     init_std: float = 0.02
 
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU hidden width the blocks use."""
+        return self.ffn_hidden_dim or compute_ffn_hidden_dim(
+            self.dim, multiple_of=self.multiple_of, ffn_dim_multiplier=self.ffn_dim_multiplier
+        )
+
 
 @dataclass(kw_only=True, slots=True)
 class ProtocolSettings:
@@ -76,6 +84,9 @@ class ProtocolSettings:
     stages: int | None = None
     """Pipeline layout the constraint is built for (default: parallelism.pipeline_parallel_degree).
     Set it on a 1-process run to build the exact model an S-stage run trains."""
+    table_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage dtype of F on every stage (V x d: 2.1 GB fp32 at LLaMA-3 8B sizes, half in bf16).
+    The codec always computes in fp32; bf16 storage rounds F once, identically on every stage."""
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -137,6 +148,7 @@ class ProtocolModel(Llama3Model):
         mode: Mode = "subspace"
         k: int = 8
         subspace_seed: int = 1234
+        table_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -147,7 +159,7 @@ class ProtocolModel(Llama3Model):
             )
             self.register_buffer(
                 "token_table",
-                torch.empty(config.vocab_size, config.dim, dtype=torch.float32),
+                torch.empty(config.vocab_size, config.dim, dtype=_DTYPES[config.table_dtype]),
                 persistent=False,
             )
         self.boundary_leak: torch.Tensor | None = None
@@ -161,7 +173,7 @@ class ProtocolModel(Llama3Model):
             self.config.subspace_seed, self.config.dim, self.config.k, self.config.vocab_size
         )
         self.basis = basis.to(device)
-        self.token_table = table.to(device)
+        self.token_table = table.to(device=device, dtype=_DTYPES[self.config.table_dtype])
 
     def forward(
         self,
@@ -185,7 +197,7 @@ class ProtocolModel(Llama3Model):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(inputs)
             if self.subspace:
-                h = (self.token_table[inputs] + h.float() @ self.basis.T).to(h.dtype)
+                h = (self.token_table[inputs].float() + h.float() @ self.basis.T).to(h.dtype)
             return h
         if self.subspace:
             return subspace.decode(inputs, ids, self.basis, self.token_table)
@@ -230,9 +242,7 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
     """
     subspace_mode = protocol.mode == "subspace" and n_stages > 1
     last_stage = stage_layer_ranges(arch.n_layers, n_stages)[-1]
-    hidden = arch.ffn_hidden_dim or compute_ffn_hidden_dim(
-        arch.dim, multiple_of=arch.multiple_of, ffn_dim_multiplier=arch.ffn_dim_multiplier
-    )
+    hidden = arch.hidden_dim
     head_dim = arch.dim // arch.n_heads
     layers = []
     for layer_id in range(arch.n_layers):
@@ -275,6 +285,7 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
         mode="subspace" if subspace_mode else "dense",
         k=protocol.k,
         subspace_seed=protocol.seed,
+        table_dtype=protocol.table_dtype,
         tok_embeddings=Embedding.Config(
             num_embeddings=arch.vocab_size,
             embedding_dim=embed_dim,

@@ -41,6 +41,16 @@ def add_protocol_kwargs(
     return extra_kwargs
 
 
+@dataclass(kw_only=True, slots=True)
+class HardwareSettings:
+    """TOML table ``[hardware]``: what the planner checks a layout against."""
+
+    gpu_memory_gib: float = 80.0
+    """Memory of one accelerator; ``python -m protocol_models.plan`` fails if a stage needs more."""
+    gpus_per_node: int = 8
+    """Processes per node; the planner prints which nodes hold which pipeline stage."""
+
+
 class ProtocolValidator(Validator):
     """TorchTitan's Validator, passing token ids to every stage."""
 
@@ -65,6 +75,7 @@ class ProtocolTrainer(Trainer):
         )
         validator: ProtocolValidator.Config = field(default_factory=ProtocolValidator.Config)
         wan: LinkSettings = field(default_factory=LinkSettings)
+        hardware: HardwareSettings = field(default_factory=HardwareSettings)
 
         @property
         def layout_stages(self) -> int:

@@ -2,7 +2,7 @@
 # Launch a training run with torchrun:
 #   bash scripts/train.sh CONFIG.toml [--section.key value ...]
 # The config is checked first (one-line error, no worker started). Environment:
-#   NGPU          processes per node (default: what the config needs on one node)
+#   NGPU          processes per node (alias NPROC_PER_NODE; default: what the config needs on one node)
 #   NNODES        number of nodes (default 1); with NNODES>1 also set
 #   NODE_RANK, MASTER_ADDR, MASTER_PORT (c10d rendezvous on MASTER_ADDR:MASTER_PORT)
 #   LOG_RANK      local ranks whose output is shown (default: the last one, where the loss lives)
@@ -26,7 +26,7 @@ if grep -q '^bundled_data=1' <<<"$check"; then
 fi
 
 NNODES="${NNODES:-1}"
-NGPU="${NGPU:-$(( nproc / NNODES ))}"
+NGPU="${NGPU:-${NPROC_PER_NODE:-$(( nproc / NNODES ))}}"
 LOG_RANK="${LOG_RANK:-$(( NGPU - 1 ))}"
 if [ "$NNODES" -eq 1 ]; then
     rdzv=(--standalone)
