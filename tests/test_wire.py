@@ -38,5 +38,5 @@ def test_invariant_holds_after_training(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]
     # the same metrics reached TensorBoard and an offline wandb run
     assert list((dump / "tb").rglob("events.out.tfevents.*"))
-    assert list((dump / "tb").rglob("*.wandb"))
+    assert list((dump / "wandb").rglob("*.wandb"))
     assert read_jsonl(dump / "metrics.jsonl") == records
