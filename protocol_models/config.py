@@ -361,10 +361,10 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     data.register_datasets()
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    for key, loader in (("dataloader", config.dataloader), ("validator.dataloader", None)):
-        loader = loader or config.validator.dataloader
-        if key == "validator.dataloader" and not config.validator.enable:
-            continue
+    loaders = [("dataloader", config.dataloader)]
+    if config.validator.enable:
+        loaders.append(("validator.dataloader", config.validator.dataloader))
+    for key, loader in loaders:
         _check(
             loader.dataset in DATASETS,
             f"{key}.dataset = {loader.dataset!r}: expected one of {sorted(DATASETS)}",

@@ -126,6 +126,11 @@ def main() -> None:
         "--quick", action="store_true", help="tiny model, few steps: checks the harness"
     )
     parser.add_argument("--out", type=Path, default=REPO / "results" / "wan")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="re-derive T, table.md and the plot from an existing results.json (no runs)",
+    )
     args = parser.parse_args()
     runs = args.out / "runs"
 
@@ -148,6 +153,15 @@ def main() -> None:
 
     def save() -> None:  # after every measurement: a long run never loses its figures
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
+
+    if args.render_only:
+        results = json.loads((args.out / "results.json").read_text())
+        workloads = {"reference": []} if results["quick"] else WORKLOADS
+        bandwidths = [None, 80.0] if results["quick"] else BANDWIDTHS
+        time_to_target(results, bandwidths)
+        save()
+        report(results, workloads, bandwidths, args.out)
+        return
 
     # 1. tokens/s vs bandwidth
     for workload, extra in workloads.items():
@@ -191,21 +205,8 @@ def main() -> None:
             ],
         )
         curves[mode] = validation_curve(runs / f"T/{mode}")
-    targets = {"dense_final": curves["dense"][-1][1], "fixed": FIXED_TARGET}
-    for target_name, target in targets.items():
-        for mode in MODES:
-            reached = steps_to_target(curves[mode], target)
-            for mbps in (200.0, 80.0):
-                if args.quick and mbps not in bandwidths:
-                    continue
-                step_s = results["throughput"][f"reference/{mode}/{int(mbps)}"]["step_s"]
-                results["T"][f"{target_name}/{mode}/{int(mbps)}"] = {
-                    "target": target,
-                    "steps": reached,
-                    "step_s": step_s,
-                    "T_s": None if reached is None else reached * step_s,
-                }
     results["validation_curves"] = curves
+    time_to_target(results, bandwidths)
     save()
 
     # 3. microbatch count minimizing step time at 80 Mbit/s + 50 ms (reference workload)
@@ -229,9 +230,34 @@ def main() -> None:
         }
 
     save()
-    (args.out / "table.md").write_text(render_table(results, workloads, bandwidths))
-    plot(results, workloads, bandwidths, args.out / "throughput_vs_bandwidth.png")
-    print((args.out / "table.md").read_text())
+    report(results, workloads, bandwidths, args.out)
+
+
+def report(results: dict, workloads, bandwidths, out: Path) -> None:
+    (out / "table.md").write_text(render_table(results, workloads, bandwidths))
+    plot(results, workloads, bandwidths, out / "throughput_vs_bandwidth.png")
+    print((out / "table.md").read_text())
+
+
+def time_to_target(results: dict, bandwidths) -> None:
+    """T = steps to target (link-off validation curves) x steady step time, per link setting
+    (link off and 200/80 Mbit/s + 50 ms), for the dense run's final loss and a fixed target."""
+    curves = results["validation_curves"]
+    targets = {"dense_final": curves["dense"][-1][1], "fixed": FIXED_TARGET}
+    links = [b for b in (None, 200.0, 80.0) if b in bandwidths]
+    results["T"] = {}
+    for target_name, target in targets.items():
+        for mode in MODES:
+            reached = steps_to_target([tuple(c) for c in curves[mode]], target)
+            for mbps in links:
+                link = "off" if mbps is None else str(int(mbps))
+                step_s = results["throughput"][f"reference/{mode}/{link}"]["step_s"]
+                results["T"][f"{target_name}/{mode}/{link}"] = {
+                    "target": target,
+                    "steps": reached,
+                    "step_s": step_s,
+                    "T_s": None if reached is None else reached * step_s,
+                }
 
 
 def render_table(results: dict, workloads, bandwidths) -> str:
@@ -270,8 +296,9 @@ def render_table(results: dict, workloads, bandwidths) -> str:
         target_name, mode, mbps = key.split("/")
         steps = "not reached" if t["steps"] is None else str(t["steps"])
         total = "—" if t["T_s"] is None else f"{t['T_s']:,.0f} s"
+        link = "unlimited (off)" if mbps == "off" else f"{mbps} Mbit/s + 50 ms"
         lines.append(
-            f"| {target_name} ({t['target']:.3f}) | {mode} | {mbps} Mbit/s + 50 ms | {steps} "
+            f"| {target_name} ({t['target']:.3f}) | {mode} | {link} | {steps} "
             f"| {t['step_s']:.3f}s | {total} |"
         )
     lines += [
