@@ -6,19 +6,33 @@ stage, gloo on CPU); its console output goes to ``<dump_folder>/run.log``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "configs" / "reference_cpu.toml"
+RUN_CACHE = REPO / "results" / "runs"
+"""Finished study runs, one folder per (config file text, overrides, process count); shared by
+the recipes so a run two studies need (e.g. the Muon dense twin) is trained once."""
+PARALLEL_RUNS = int(os.environ.get("PM_PARALLEL_RUNS", "2"))
+"""Study runs that may train at the same time across all recipes (one core each)."""
 
 
 def train(
-    dump_folder: Path, overrides: list[str], *, toml: Path = REFERENCE, nproc: int | None = None
+    dump_folder: Path,
+    overrides: list[str],
+    *,
+    toml: Path = REFERENCE,
+    nproc: int | None = None,
+    env: dict | None = None,
 ) -> list[dict]:
     """Run one training job; return its ``metrics.jsonl`` records (raises on failure)."""
     dump_folder.mkdir(parents=True, exist_ok=True)
@@ -48,12 +62,80 @@ def train(
         *overrides,
     ]
     with open(dump_folder / "run.log", "w") as log:
-        result = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+        result = subprocess.run(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env or os.environ
+        )
     if result.returncode != 0:
         raise RuntimeError(
             f"run failed ({result.returncode}): {' '.join(cmd)}; see {dump_folder}/run.log"
         )
     return read_jsonl(dump_folder / "metrics.jsonl")
+
+
+def train_cached(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1) -> Path:
+    """Train ``toml`` + ``overrides`` on ``nproc`` processes unless an identical run already
+    finished; return its dump folder (with ``metrics.jsonl``, ``validation.jsonl``, ``run.log``
+    and the final model weights under ``checkpoint/step-N``). Overrides are compared as a set of
+    ``key = value`` pairs, so their order does not matter.
+
+    Concurrent callers (several recipes at once) wait for each other on a per-run lock, and at
+    most ``PARALLEL_RUNS`` runs train at a time. Delete ``results/runs`` to retrain everything.
+    """
+    from protocol_models.config import parse_overrides
+
+    canonical = sorted((k, repr(v)) for k, v in parse_overrides(overrides))
+    key = hashlib.sha256(json.dumps([toml.read_text(), canonical, nproc]).encode()).hexdigest()
+    key = key[:16]
+    folder = RUN_CACHE / key
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder / ".lock"):
+        if (folder / "done").is_file():
+            return folder
+        (folder / "config.json").write_text(
+            json.dumps(
+                {"toml": str(toml.relative_to(REPO)), "overrides": overrides, "nproc": nproc},
+                indent=1,
+            )  # fmt: skip
+        )
+        with _run_slot():
+            single = ["--parallelism.pipeline_parallel_degree", "1"] if nproc == 1 else []
+            final_weights = ["--checkpoint.enable", "--checkpoint.last_save_model_only"]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            train(folder, [*single, *final_weights, *overrides], toml=toml, nproc=nproc, env=env)
+        (folder / "done").touch()
+    return folder
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _run_slot():
+    """Hold one of ``PARALLEL_RUNS`` machine-wide slots while a run trains."""
+    slots = RUN_CACHE / ".slots"
+    slots.mkdir(parents=True, exist_ok=True)
+    while True:
+        for i in range(PARALLEL_RUNS):
+            handle = open(slots / f"{i}.lock", "a")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                handle.close()
+            return
+        time.sleep(2)
 
 
 def read_jsonl(path: Path) -> list[dict]:
