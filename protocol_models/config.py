@@ -38,7 +38,21 @@ __all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "valid
 
 ACTIVATION_CHECKPOINT = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 _TOP_LEVEL_SPECIAL = ("activation_checkpoint", "optimizer")
-_HIDDEN = {"model_spec", "optimizer", "activation_checkpoint", "override", "loss", "tokenizer"}
+_WHOLE_MATRIX_OPTIMIZERS = {
+    "Muon": "muon",
+    "RowwiseAdamW": "adamw_rowwise",
+    "ProjectedAdamW": "adamw_project",
+}
+"""Optimizers (container names -> TOML names) that need unsharded parameters."""
+_HIDDEN = {
+    "model_spec",
+    "optimizer",
+    "activation_checkpoint",
+    "override",
+    "loss",
+    "tokenizer",
+    "parametrization",
+}
 
 
 def default_config() -> ProtocolTrainer.Config:
@@ -138,6 +152,7 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
         else:
             _assign(config, {key: value}, "")
     config.optimizer = optimizer.to_container_config()
+    config.protocol.parametrization = optimizer.parametrization
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
     _rerun_post_init(config, "")
     validate(config)
@@ -299,6 +314,34 @@ def validate(config: ProtocolTrainer.Config) -> None:
         1 <= protocol.k <= model.dim,
         f"protocol.k = {protocol.k}: must be an integer in [1, model.dim = {model.dim}]",
     )
+    _validate_codec(config)
+    whole_matrices = sorted(
+        {g.optimizer_name for g in config.optimizer.param_groups} & set(_WHOLE_MATRIX_OPTIMIZERS)
+    )
+    if par.data_parallel_shard_degree > 1 and (whole_matrices or protocol.update_every):
+        needs = (
+            f"optimizer.name = {_WHOLE_MATRIX_OPTIMIZERS[whole_matrices[0]]!r}"
+            if whole_matrices
+            else f"protocol.update_every = {protocol.update_every}"
+        )
+        raise ConfigError(
+            f"parallelism.data_parallel_shard_degree = {par.data_parallel_shard_degree}: "
+            f"{needs} acts on whole matrices; use data_parallel_replicate_degree for data "
+            "parallelism (or optimizer.name = 'adamw' with update_every = 0 to shard)"
+        )
+    _check(
+        protocol.update_every >= 0,
+        f"protocol.update_every = {protocol.update_every}: must be >= 0 (0 = no updates)",
+    )
+    _check(
+        protocol.update_every == 0 or protocol.mode == "subspace",
+        f"protocol.update_every = {protocol.update_every}: subspace updates need "
+        f"protocol.mode = 'subspace' (got {protocol.mode!r})",
+    )
+    _check(
+        0 < protocol.update_angle_deg <= 90,
+        f"protocol.update_angle_deg = {protocol.update_angle_deg}: must be in (0, 90]",
+    )
     _check(pp >= 1, f"parallelism.pipeline_parallel_degree = {pp}: must be >= 1")
     _check(
         pp <= model.n_layers,
@@ -352,6 +395,35 @@ def validate(config: ProtocolTrainer.Config) -> None:
         config.metrics.log_freq >= 1,
         f"metrics.log_freq = {config.metrics.log_freq}: must be >= 1",
     )
+
+
+def _validate_codec(config: ProtocolTrainer.Config) -> None:
+    """``[codec]`` against the width and microbatch shape of a lossy ``protocol.mode``."""
+    mode, codec, dim = config.protocol.mode, config.codec, config.model.dim
+    if mode == "topk":
+        _check(
+            1 <= codec.topk <= min(dim, 32768),
+            f"codec.topk = {codec.topk}: must be in [1, model.dim = {dim}] "
+            "(indices travel as int16: model.dim <= 32768)",
+        )
+    if mode == "quant":
+        _check(
+            dim % (8 // codec.bits) == 0,
+            f"codec.bits = {codec.bits}: model.dim = {dim} must be a multiple of "
+            f"{8 // codec.bits} to bit-pack {codec.bits}-bit codes",
+        )
+    if mode in ("lowrank", "svd"):
+        _check(
+            1 <= codec.rank <= dim,
+            f"codec.rank = {codec.rank}: must be an integer in [1, model.dim = {dim}]",
+        )
+    if mode == "svd":
+        tokens = config.parallelism.pipeline_parallel_microbatch_size * config.training.seq_len
+        _check(
+            codec.rank <= tokens,
+            f"codec.rank = {codec.rank}: must be <= the {tokens} tokens of a microbatch "
+            "(parallelism.pipeline_parallel_microbatch_size x training.seq_len)",
+        )
 
 
 def validate_environment(config: ProtocolTrainer.Config) -> None:

@@ -105,6 +105,9 @@ class ProtocolMetricsProcessor(MetricsProcessor):
     """Set by the trainer; summed over the pipeline group at every log step."""
     link: SimulatedLink | None = None
     """Set by the trainer when ``[wan]`` is on: ``wan/wait_s`` and ``wan/wire_s`` per step."""
+    subspace = None
+    """Set by the trainer when subspace updates are on: ``subspace/update_angle_deg`` (of the
+    latest update), ``subspace/updates`` and ``subspace/orthonormality``."""
 
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, **kwargs):
         base = super()._build_metric_logger(
@@ -137,6 +140,8 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         loss, max_loss = self._from_last_stage([global_avg_loss, global_max_loss])
         metrics = dict(extra_metrics or {})
         metrics.update(self._wire_metrics())
+        if self.subspace is not None:
+            metrics.update(self.subspace.metrics())
         super().log(step, loss, max_loss, grad_norm, extra_metrics=metrics)
 
     def log_validation(self, loss, step, extra_metrics=None):

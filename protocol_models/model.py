@@ -1,12 +1,22 @@
 """The Protocol LLaMA: TorchTitan's llama3 with every upstream residual writer confined to span(U).
 
-Parametrization (METHOD §4 variant A, ``W = U A``): on every stage but the last, the attention
-output projection ``wo`` and the MLP down projection ``w2`` are stock TorchTitan ``Linear`` layers
-with ``out_features = k`` -- their weights *are* the factors ``A`` ``[k, in]`` -- and the block
-lifts their output into the stream with ``@ U.T``. The trainable token embedding is ``E``
-``[V, k]`` and the stream starts as ``x0 = F[ids] + E[ids] @ U.T``. Norms are pre-norm (they only
-touch branch inputs), there are no biases, no dropout, no tied head; so by induction
-``x - F[ids]`` lies in span(U) at every boundary and ``c = (x - F[ids]) @ U`` is lossless.
+Two parametrizations of the residual writers upstream of the last boundary (the attention output
+projection ``wo``, the MLP down projection ``w2`` and the token embedding):
+
+* ``factor`` (METHOD §4 variant A, ``W = U A``, used with ``adamw`` and ``muon``): ``wo``/``w2``
+  are stock TorchTitan ``Linear`` layers with ``out_features = k`` -- their weights *are* the
+  factors ``A`` ``[k, in]`` -- and the block lifts their output into the stream with ``@ U.T``.
+  The trainable embedding is ``E`` ``[V, k]`` and the stream starts as
+  ``x0 = F[ids] + E[ids] @ U.T``. The subspace holds by construction.
+* ``full`` (variants B/C, used with ``adamw_rowwise`` and ``adamw_project``): full-width
+  ``W`` ``[d, in]`` and ``E`` ``[V, d]``, initialized inside span(U); the optimizer keeps every
+  update there (``protocol_models.optimizers``). ``x0 = F[ids] + E[ids]``.
+
+Norms are pre-norm (they only touch branch inputs), there are no biases, no dropout, no tied
+head; so by induction ``x - F[ids]`` lies in span(U) at every boundary and
+``c = (x - F[ids]) @ U`` is lossless. ``U`` is a persistent buffer: it starts as the seeded basis
+and may later be rotated by subspace updates (``protocol_models.grassmann``), so checkpoints carry
+it; ``F`` never changes and is regenerated from the seed.
 
 The last stage's blocks, the final norm and the (untied) LM head stay full rank. In ``dense``
 mode the same recipe builds the unconstrained twin: stock llama3 blocks and a ``d``-wide wire.
@@ -14,12 +24,13 @@ mode the same recipe builds the unconstrained twin: stock llama3 blocks and a ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common import (
     ComplexRoPE,
     Embedding,
@@ -39,8 +50,17 @@ from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.protocols.model_spec import ModelSpec
 
 from protocol_models import subspace
+from protocol_models.codecs import (
+    LOSSY_MODES,
+    Codec,
+    CodecSettings,
+    apply_boundary,
+    build_codec,
+)
+from protocol_models.errors import UserError
 
-Mode = Literal["subspace", "dense"]
+Mode = Literal["subspace", "dense", "topk", "quant", "lowrank", "svd"]
+Parametrization = Literal["factor", "full"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Attention = Literal["sdpa", "flex", "varlen"]
 
@@ -76,7 +96,9 @@ class ProtocolSettings:
     """The compressed-boundary method (TOML table ``[protocol]``)."""
 
     mode: Mode = "subspace"
-    """``subspace``: boundaries carry k coordinates; ``dense``: the unconstrained d-wide twin."""
+    """``subspace``: boundaries carry k coordinates; ``dense``: the unconstrained d-wide twin;
+    ``topk``/``quant``/``lowrank``/``svd``: the dense twin with a lossy boundary codec
+    (``[codec]``, see ``protocol_models.codecs``)."""
     k: int = 8
     """Subspace rank: coordinates per token per boundary."""
     seed: int = 1234
@@ -87,6 +109,13 @@ class ProtocolSettings:
     table_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage dtype of F on every stage (V x d: 2.1 GB fp32 at LLaMA-3 8B sizes, half in bf16).
     The codec always computes in fp32; bf16 storage rounds F once, identically on every stage."""
+    update_every: int = 0
+    """Rotate U on the Grassmann manifold every N optimizer steps (0: U stays the seeded basis).
+    See ``protocol_models.grassmann``."""
+    update_angle_deg: float = 5.0
+    """Largest principal angle between U and U' at each update (a normalized geodesic step)."""
+    parametrization: Parametrization = "factor"
+    """Set from ``[optimizer] name`` (not a TOML key): ``full`` for adamw_rowwise/adamw_project."""
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -105,17 +134,25 @@ def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
 class ProtocolBlock(Llama3TransformerBlock):
     """A llama3 block whose two residual writes can be confined to span(U).
 
-    When ``constrained``, ``attention.wo`` and ``feed_forward.w2`` output ``k`` coordinates and
-    the block adds ``branch @ U.T`` ``[mb, seq, d]`` to the stream.
+    ``upstream``: the block sits before the last boundary (its writers are the ones the subspace
+    constrains; the optimizers' row-wise and projection rules act on them). ``factored``: its
+    ``attention.wo`` and ``feed_forward.w2`` output ``k`` coordinates and the block adds
+    ``branch @ U.T`` ``[mb, seq, d]`` to the stream.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3TransformerBlock.Config):
-        constrained: bool = False
+        upstream: bool = False
+        factored: bool = False
 
     def __init__(self, config: Config):
         super().__init__(config)
-        self.constrained = config.constrained
+        self.upstream = config.upstream
+        self.factored = config.factored
+
+    def writers(self) -> list[nn.Parameter]:
+        """The two weights that write into the residual stream (``[out, in]``)."""
+        return [self.attention.wo.weight, self.feed_forward.w2.weight]
 
     def forward(
         self,
@@ -125,11 +162,11 @@ class ProtocolBlock(Llama3TransformerBlock):
         basis: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attn = self.attention(self.attention_norm(x), attention_masks, positions)
-        if self.constrained:
+        if self.factored:
             attn = attn @ basis.to(attn.dtype).T
         h = x + attn
         ffn = self.feed_forward(self.ffn_norm(h))
-        if self.constrained:
+        if self.factored:
             ffn = ffn @ basis.to(ffn.dtype).T
         return h + ffn
 
@@ -137,8 +174,11 @@ class ProtocolBlock(Llama3TransformerBlock):
 class ProtocolModel(Llama3Model):
     """Llama3 with the frozen ``U``/``F`` root buffers and the boundary codec in its forward.
 
-    Root-level buffers survive TorchTitan's pipeline split on every stage. Both are
-    non-persistent: they are regenerated from ``subspace_seed`` at init on every rank.
+    Root-level buffers survive TorchTitan's pipeline split on every stage. ``F`` is
+    non-persistent (regenerated from ``subspace_seed`` on every rank); ``U`` starts as the seeded
+    basis and is persistent, because subspace updates rotate it. With subspace updates on, ``U``
+    requires grad so that autograd accumulates ``dL/dU`` through the lifts and the embedding
+    (the codec uses a detached ``U``: its contributions cancel while the invariant holds).
     A non-last stage returns ``c`` ``[mb, seq, k]`` (subspace) or ``x`` ``[mb, seq, d]`` (dense);
     a non-first stage takes that tensor as its positional input and the token ids as a kwarg.
     """
@@ -149,14 +189,22 @@ class ProtocolModel(Llama3Model):
         k: int = 8
         subspace_seed: int = 1234
         table_dtype: Literal["float32", "bfloat16"] = "float32"
+        parametrization: Parametrization = "factor"
+        track_basis_grad: bool = False
+        codec: CodecSettings = field(default_factory=CodecSettings)
+        codec_after: list[int] = field(default_factory=list)
+        """Lossy modes: ids of the layers whose output crosses a stage boundary (in-graph codec
+        when the next layer is in the same module, i.e. single-process runs)."""
+        codec_microbatch: int = 1
+        """Sequences per pipeline microbatch: the in-graph codec encodes the batch in groups of
+        this size, as the pipelined stage does (matters for ``svd``)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.subspace = config.mode == "subspace"
+        self.factored = self.subspace and config.parametrization == "factor"
         if self.subspace:
-            self.register_buffer(
-                "basis", torch.empty(config.dim, config.k, dtype=torch.float32), persistent=False
-            )
+            self.register_buffer("basis", torch.empty(config.dim, config.k, dtype=torch.float32))
             self.register_buffer(
                 "token_table",
                 torch.empty(config.vocab_size, config.dim, dtype=_DTYPES[config.table_dtype]),
@@ -172,9 +220,34 @@ class ProtocolModel(Llama3Model):
         basis, table = subspace.make_basis_and_table(
             self.config.subspace_seed, self.config.dim, self.config.k, self.config.vocab_size
         )
-        self.basis = basis.to(device)
+        self.basis = basis.to(device).requires_grad_(self.config.track_basis_grad)
         self.token_table = table.to(device=device, dtype=_DTYPES[self.config.table_dtype])
 
+    def init_states(self, *, buffer_device: torch.device | None = None) -> None:
+        """TorchTitan's init, then (``full`` parametrization) every constrained weight is
+        projected into span(U): ``W <- U U^T W``, ``E <- E U U^T``."""
+        super().init_states(buffer_device=buffer_device)
+        if self.subspace and not self.factored:
+            with torch.no_grad():
+                for param, kind in self.constrained_weights():
+                    project_(param, self.basis, kind)
+
+    def constrained_weights(self) -> list[tuple[nn.Parameter, str]]:
+        """This stage's residual writers upstream of the last boundary and the token embedding:
+        ``(weight, kind)`` with kind ``"writer"`` (``[out, in]``, out-axis in span(U) or
+        k coordinates) or ``"embedding"`` (``[V, d]`` rows in span(U), or ``[V, k]``).
+        Listed in dense mode too, where the twin's optimizer treats the same matrices alike."""
+        weights = [
+            (w, "writer")
+            for layer in self.layers.values()
+            if layer.upstream
+            for w in layer.writers()
+        ]
+        if self.tok_embeddings is not None and any(
+            layer.upstream for layer in self.config.layers
+        ):
+            weights.append((self.tok_embeddings.weight, "embedding"))
+        return weights
     def forward(
         self,
         inputs: torch.Tensor,
@@ -186,38 +259,78 @@ class ProtocolModel(Llama3Model):
         tensor. ``token_ids`` ``[mb, seq]``: the same ids on every stage (never sent)."""
         ids = inputs if self.tok_embeddings is not None else token_ids
         h = self._stream_in(inputs, ids)
-        basis = self.basis if self.subspace else None
-        for layer in self.layers.values():
+        basis = self.basis if self.factored else None
+        for name, layer in self.layers.items():
             h = layer(h, attention_masks, positions, basis=basis)
+            if int(name) in self.config.codec_after and str(int(name) + 1) in self.layers:
+                codec = self._boundary_codec()
+                parts = h.split(self.config.codec_microbatch)
+                h = torch.cat([apply_boundary(part, codec) for part in parts])
         if self.norm is None:
             return self._stream_out(h, ids)
         return self.lm_head(self.norm(h))
 
+    def _boundary_codec(self) -> Codec:
+        """The lossy codec of the in-graph boundaries (built on first use)."""
+        if getattr(self, "_codec", None) is None:
+            c = self.config
+            self._codec = build_codec(c.mode, c.codec, c.dim, c.subspace_seed)
+        return self._codec
+
     def _stream_in(self, inputs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(inputs)
+            if self.factored:
+                h = h.float() @ self.basis.T
             if self.subspace:
-                h = (self.token_table[inputs].float() + h.float() @ self.basis.T).to(h.dtype)
+                h = (self.token_table[inputs].float() + h.float()).to(h.dtype)
             return h
         if self.subspace:
-            return subspace.decode(inputs, ids, self.basis, self.token_table)
+            return subspace.decode(inputs, ids, self.basis.detach(), self.token_table)
         return inputs
 
     def _stream_out(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not self.subspace:
             return h
-        stage_leak = subspace.leak(h, ids, self.basis, self.token_table)
+        basis = self.basis.detach()
+        stage_leak = subspace.leak(h, ids, basis, self.token_table)
         self.boundary_leak = (
             stage_leak
             if self.boundary_leak is None
             else torch.maximum(self.boundary_leak, stage_leak)
         )
-        return subspace.encode(h, ids, self.basis, self.token_table)
+        return subspace.encode(h, ids, basis, self.token_table)
 
     def pop_boundary_leak(self) -> float | None:
         """Return and reset the max leak recorded since the last call (None: no boundary)."""
         value, self.boundary_leak = self.boundary_leak, None
         return None if value is None else float(value)
+
+
+def local_matrix(t: torch.Tensor) -> torch.Tensor:
+    """The whole matrix behind a parameter or optimizer state on this rank: a DTensor on a
+    one-device mesh unwraps; a sharded one is refused (the subspace optimizers and updates act
+    on whole matrices)."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.device_mesh.size() > 1:
+        raise UserError(
+            "optimizer.name = 'muon' / 'adamw_rowwise' / 'adamw_project' and subspace updates "
+            "need whole matrices on each rank: use parallelism.data_parallel_shard_degree = 1 "
+            "(replicate, not FSDP-shard)"
+        )
+    return t.to_local()
+
+
+@torch.no_grad()
+def project_(weight: torch.Tensor, basis: torch.Tensor, kind: str) -> None:
+    """In place: a full-width ``writer`` ``[d, in]`` becomes ``U U^T W``, an ``embedding``
+    ``[V, d]`` becomes ``E U U^T`` (fp32 math, cast back)."""
+    weight = local_matrix(weight)
+    u = basis.detach().float()
+    w = weight.float()
+    projected = u @ (u.T @ w) if kind == "writer" else (w @ u) @ u.T
+    weight.copy_(projected.to(weight.dtype))
 
 
 def _trunc_normal(std: float) -> dict:
@@ -232,21 +345,31 @@ def _inner_attention(name: Attention):
     }[name]()
 
 
-def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: int):
+def build_model_config(
+    arch: ModelArch,
+    protocol: ProtocolSettings,
+    n_stages: int,
+    codec: CodecSettings | None = None,
+    microbatch: int = 1,
+):
     """A ``ProtocolModel.Config`` for ``arch`` laid out over ``n_stages`` pipeline stages.
 
     In subspace mode every block outside the last stage's range is constrained, and the token
     embedding is ``V x k``; the last stage's blocks are stock. With ``n_stages == 1`` nothing is
     upstream of a boundary, so nothing is constrained (use ``protocol.stages`` to build an
-    S-stage model in one process).
+    S-stage model in one process). A lossy ``protocol.mode`` builds the dense model with
+    ``codec`` at the ``n_stages - 1`` boundaries, applied per ``microbatch`` sequences.
     """
     subspace_mode = protocol.mode == "subspace" and n_stages > 1
-    last_stage = stage_layer_ranges(arch.n_layers, n_stages)[-1]
+    factored = subspace_mode and protocol.parametrization == "factor"
+    ranges = stage_layer_ranges(arch.n_layers, n_stages)
+    last_stage = ranges[-1]
+    lossy = protocol.mode in LOSSY_MODES
     hidden = arch.hidden_dim
     head_dim = arch.dim // arch.n_heads
     layers = []
     for layer_id in range(arch.n_layers):
-        constrained = subspace_mode and layer_id not in last_stage
+        upstream = n_stages > 1 and layer_id not in last_stage
         writer_init = _trunc_normal(depth_scaled_std(arch.init_std, layer_id))
         attention = make_gqa_config(
             dim=arch.dim,
@@ -265,27 +388,33 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
             w1_param_init=_trunc_normal(arch.init_std),
             w2w3_param_init=writer_init,
         )
-        if constrained:
+        if factored and upstream:
             attention.wo.out_features = protocol.k
             feed_forward.w2.out_features = protocol.k
         norm_init = {"weight": nn.init.ones_}
         layers.append(
             ProtocolBlock.Config(
-                constrained=constrained,
+                upstream=upstream,
+                factored=factored and upstream,
                 attention_norm=RMSNorm.Config(normalized_shape=arch.dim, param_init=norm_init),
                 ffn_norm=RMSNorm.Config(normalized_shape=arch.dim, param_init=norm_init),
                 attention=attention,
                 feed_forward=feed_forward,
             )
         )
-    embed_dim = protocol.k if subspace_mode else arch.dim
+    embed_dim = protocol.k if factored else arch.dim
     return ProtocolModel.Config(
         dim=arch.dim,
         vocab_size=arch.vocab_size,
-        mode="subspace" if subspace_mode else "dense",
+        mode=protocol.mode if lossy else ("subspace" if subspace_mode else "dense"),
+        codec=codec or CodecSettings(),
+        codec_after=[r[-1] for r in ranges[:-1]] if lossy else [],
+        codec_microbatch=microbatch,
         k=protocol.k,
         subspace_seed=protocol.seed,
         table_dtype=protocol.table_dtype,
+        parametrization=protocol.parametrization,
+        track_basis_grad=subspace_mode and protocol.update_every > 0,
         tok_embeddings=Embedding.Config(
             num_embeddings=arch.vocab_size,
             embedding_dim=embed_dim,
@@ -302,13 +431,18 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
 
 
 def build_model_spec(
-    arch: ModelArch, protocol: ProtocolSettings, n_stages: int, pipelining_fn
+    arch: ModelArch,
+    protocol: ProtocolSettings,
+    n_stages: int,
+    pipelining_fn,
+    codec: CodecSettings | None = None,
+    microbatch: int = 1,
 ) -> ModelSpec:
     """The ``ModelSpec`` TorchTitan's Trainer builds from: our config, llama3's parallelize."""
     return ModelSpec(
         name="protocol_llama3",
-        flavor=f"{protocol.mode}-k{protocol.k}" if protocol.mode == "subspace" else "dense",
-        model=build_model_config(arch, protocol, n_stages),
+        flavor=f"{protocol.mode}-k{protocol.k}" if protocol.mode == "subspace" else protocol.mode,
+        model=build_model_config(arch, protocol, n_stages, codec, microbatch),
         parallelize_fn=parallelize_llama,
         pipelining_fn=pipelining_fn,
         post_optimizer_build_fn=None,
@@ -323,5 +457,6 @@ __all__ = [
     "ProtocolSettings",
     "build_model_config",
     "build_model_spec",
+    "project_",
     "stage_layer_ranges",
 ]

@@ -1,12 +1,21 @@
 """Optimizers (TOML table ``[optimizer]``) and the non-finite guard around them.
 
+Each keeps every boundary exact; the dense twin of each runs the same rule on the same matrices.
+
 * ``adamw``: AdamW on every parameter (on the reparametrized factors ``A`` of the constrained
   writers, so every update stays in span(U) by construction);
 * ``muon``: Muon -- Nesterov momentum orthogonalized by a Newton-Schulz iteration -- on the 2-D
   block weights (attention and MLP projections, including the factors ``A``), AdamW on the
   embedding, head and norms (METHOD §6.2). Newton-Schulz is an odd matrix polynomial, so for
   orthonormal ``U``: ``NS(U Y) = U NS(Y)``: Muon on ``A`` is exactly Muon with projected
-  gradients on ``W = U A`` and never leaves the subspace. The dense twin gets the same split.
+  gradients on ``W = U A`` and never leaves the subspace. The dense twin gets the same split;
+* ``adamw_rowwise`` (full-width writers, METHOD §6.1): the paper's modified AdamW. On each
+  constrained weight the gradient is projected into span(U) and the second moment is one scalar
+  per input column of ``W`` ``[d, in]`` (per token row of ``E`` ``[V, d]``): every column of the
+  step is a span(U) vector divided by a scalar. Other parameters: AdamW. Dense twin: the same
+  row-constant second moment on the same matrices, without the projection;
+* ``adamw_project`` (full-width writers, METHOD §4 variant B): stock AdamW, then
+  ``W <- U U^T W`` and ``E <- E U U^T`` after every step. Dense twin: AdamW.
 """
 
 from __future__ import annotations
@@ -16,12 +25,12 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from protocol_models.errors import NonFiniteError, UserError
+from protocol_models.errors import NonFiniteError
+from protocol_models.model import local_matrix, project_
 
 BLOCK_MATRICES = r"^layers\.\d+\.(attention|feed_forward)\."
 """Parameter names Muon trains: every projection inside a block (norms are ``*_norm``)."""
@@ -65,7 +74,7 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                weight, grad = _local(p), _local(p.grad)
+                weight, grad = local_matrix(p), local_matrix(p.grad)
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(grad))
                 buf.lerp_(grad, 1 - mu)
                 update = grad.lerp(buf, mu) if group["nesterov"] else buf
@@ -76,15 +85,98 @@ class Muon(torch.optim.Optimizer):
         return None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, DTensor):
-        return t
-    if t.device_mesh.size() > 1:
-        raise UserError(
-            "optimizer.name = 'muon' needs whole matrices on each rank: use "
-            "parallelism.data_parallel_shard_degree = 1 (replicate, not FSDP-shard)"
-        )
-    return t.to_local()
+class SubspaceAdamW(torch.optim.AdamW):
+    """AdamW whose constrained weights follow ``rule`` (``"rowwise"`` or ``"project"``).
+
+    ``bind`` tells it which parameters are constrained (``(weight, kind)`` pairs from
+    ``ProtocolModel.constrained_weights``) and where the current ``U`` lives (a callable, since
+    subspace updates replace it; it returns None for the dense twin: no projection). Unbound, it
+    is plain AdamW. A zero-lr step (TorchTitan's optimizer-state materialization) leaves every
+    parameter bit-identical.
+    """
+
+    def __init__(self, params, rule: str = "rowwise", **adamw_kwargs):
+        super().__init__(params, **adamw_kwargs)
+        self.rule = rule
+        self.constrained: dict[torch.nn.Parameter, str] = {}
+        self.basis_fn = lambda: None
+
+    def bind(self, constrained: dict[torch.nn.Parameter, str], basis_fn) -> None:
+        owned = {p for group in self.param_groups for p in group["params"]}
+        self.constrained = {p: kind for p, kind in constrained.items() if p in owned}
+        self.basis_fn = basis_fn
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.rule == "project":
+            super().step(closure)
+            self._project_constrained()
+            return None
+        hidden = {p: p.grad for p in self.constrained if p.grad is not None}
+        for p in hidden:
+            p.grad = None
+        try:
+            super().step(closure)
+        finally:
+            for p, grad in hidden.items():
+                p.grad = grad
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in hidden:
+                    self._rowwise_update(p, group)
+        return None
+
+    def _project_constrained(self) -> None:
+        basis = self.basis_fn()
+        if basis is None:
+            return
+        for group in self.param_groups:
+            if group["lr"] == 0:
+                continue
+            for p in group["params"]:
+                if p in self.constrained:
+                    project_(local_matrix(p), basis, self.constrained[p])
+
+    def _rowwise_update(self, p: torch.nn.Parameter, group: dict) -> None:
+        """One step of METHOD §6.1 on ``p`` (writer ``[d, in]``: v per column ``i``; embedding
+        ``[V, d]``: v per row)."""
+        kind, basis = self.constrained[p], self.basis_fn()
+        weight, grad = local_matrix(p), local_matrix(p.grad).float()
+        if basis is not None:
+            u = basis.detach().float()
+            grad = u @ (u.T @ grad) if kind == "writer" else (grad @ u) @ u.T
+        feature_axis = 0 if kind == "writer" else 1  # the axis that lives in span(U)
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(weight, dtype=torch.float32)
+            state["exp_avg_sq_shared"] = torch.zeros(
+                weight.shape[1 - feature_axis], dtype=torch.float32
+            )
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        state["step"] += 1
+        step = float(state["step"])
+        state["exp_avg"].lerp_(grad, 1 - beta1)
+        v = state["exp_avg_sq_shared"]
+        v.mul_(beta2).add_(grad.square().mean(dim=feature_axis), alpha=1 - beta2)
+        denom = (v / (1 - beta2**step)).sqrt_().add_(eps)
+        denom = denom.unsqueeze(feature_axis)
+        weight.mul_(1 - lr * wd)
+        weight.addcdiv_(state["exp_avg"].to(weight.dtype), denom, value=-lr / (1 - beta1**step))
+
+
+def bind_subspace(optimizers: OptimizersContainer, model_parts) -> None:
+    """Tell every ``SubspaceAdamW`` which of its parameters are constrained and where U is."""
+    for part in model_parts:
+        constrained = dict(part.constrained_weights())
+
+        def basis_fn(part=part):
+            return part.basis if part.subspace else None
+
+        for optimizer in optimizers:
+            if isinstance(optimizer, SubspaceAdamW):
+                optimizer.bind(constrained, basis_fn)
 
 
 class GuardedOptimizers(OptimizersContainer):
@@ -103,6 +195,9 @@ class GuardedOptimizers(OptimizersContainer):
 
     current_step: int = 0
     """Set by the trainer before each step; named in the error."""
+    subspace = None
+    """The trainer's ``grassmann.SubspaceTracker`` when subspace updates are on: told about
+    every applied (or skipped) step, right after the parameter update."""
 
     def __init__(self, config: Config, *, model_parts):
         super().__init__(config, model_parts=model_parts)
@@ -113,11 +208,19 @@ class GuardedOptimizers(OptimizersContainer):
     def _resolve_optimizer_factory(name: str):
         if name == "Muon":
             return Muon
+        if name in ("RowwiseAdamW", "ProjectedAdamW"):
+            rule = "rowwise" if name == "RowwiseAdamW" else "project"
+            return lambda params, **kwargs: SubspaceAdamW(params, rule=rule, **kwargs)
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def step(self, closure=None):
         if self._gradients_finite():
-            return super().step(closure)
+            super().step(closure)
+            if self.subspace is not None:
+                self.subspace.after_step(self.current_step)
+            return None
+        if self.subspace is not None:
+            self.subspace.discard()
         self.skipped_steps.append(self.current_step)
         if len(self.skipped_steps) > self.skip_budget:
             raise NonFiniteError(
@@ -143,7 +246,7 @@ class GuardedOptimizers(OptimizersContainer):
 class OptimizerSettings:
     """TOML table ``[optimizer]``: one optimizer over all parameters."""
 
-    name: Literal["adamw", "muon"] = "adamw"
+    name: Literal["adamw", "adamw_rowwise", "muon", "adamw_project"] = "adamw"
     lr: float = 8e-4
     """AdamW's learning rate (with ``muon``: for the embedding, head and norms)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -156,6 +259,11 @@ class OptimizerSettings:
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
 
+    @property
+    def parametrization(self) -> str:
+        """The writer parametrization this optimizer trains (``protocol_models.model``)."""
+        return "full" if self.name in ("adamw_rowwise", "adamw_project") else "factor"
+
     def to_container_config(self) -> GuardedOptimizers.Config:
         kwargs = {
             "lr": self.lr,
@@ -163,7 +271,14 @@ class OptimizerSettings:
             "eps": self.eps,
             "weight_decay": self.weight_decay,
         }
-        groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=kwargs)]
+        adamw = {"adamw_rowwise": "RowwiseAdamW", "adamw_project": "ProjectedAdamW"}
+        groups = [
+            ParamGroupConfig(
+                pattern=".*",
+                optimizer_name=adamw.get(self.name, "AdamW"),
+                optimizer_kwargs=kwargs,
+            )
+        ]
         if self.name == "muon":
             muon = {"lr": self.muon_lr, "momentum": self.muon_momentum,
                     "weight_decay": self.muon_weight_decay}  # fmt: skip

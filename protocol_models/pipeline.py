@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from protocol_models.codecs import Codec
 from protocol_models.link import SimulatedLink
 from protocol_models.model import stage_layer_ranges
 from protocol_models.stage import WireMeter, WirePipelineStage
@@ -54,8 +55,10 @@ def pipeline_protocol(
     loss_fn,
     meter: WireMeter,
     link: SimulatedLink | None = None,
+    codec: Codec | None = None,
 ):
-    """Split ``model`` for this pipeline rank, parallelize the chunk, and build the schedule."""
+    """Split ``model`` for this pipeline rank, parallelize the chunk, and build the schedule
+    (``codec``: the lossy boundary codec the stage applies at its send/recv hooks)."""
     pp_mesh = parallel_dims.get_mesh("pp")
     n_stages, stage_index = pp_mesh.size(), pp_mesh.get_local_rank()
     chunk = split_stage(model, stage_index, n_stages)
@@ -69,7 +72,14 @@ def pipeline_protocol(
         dump_folder=dump_folder,
     )
     stage = WirePipelineStage(
-        chunk, stage_index, n_stages, device, group=pp_mesh.get_group("pp"), meter=meter, link=link
+        chunk,
+        stage_index,
+        n_stages,
+        device,
+        group=pp_mesh.get_group("pp"),
+        meter=meter,
+        link=link,
+        codec=codec,
     )
 
     def scalar_loss(*args, **kwargs) -> torch.Tensor:

@@ -5,6 +5,9 @@ Every schedule (GPipe, 1F1B, ...) obtains all of its point-to-point traffic from
 ``forward_one_chunk`` / ``backward_one_chunk``. ``WirePipelineStage`` wraps exactly those:
 
 * it accounts every message handed to the wire, per boundary and direction (``WireMeter``);
+* with a lossy ``Codec`` (``protocol_models.codecs``) it sends the packed payload instead of the
+  ``d``-wide tensor and unpacks what it receives into the stage's normal receive buffer right
+  before consuming it (forward activations and backward gradients alike);
 * with a ``SimulatedLink`` it adds the sender's 8-byte clock stamp to each message and, on the
   receiving side, waits until the link model says the message has arrived.
 
@@ -18,9 +21,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
+from protocol_models.codecs import Codec, Payload
 from protocol_models.link import SimulatedLink
 
 
@@ -37,11 +42,19 @@ class WireMeter:
     bwd: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     dense: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, direction: str, boundary: int, ops: list[dist.P2POp]) -> None:
-        sent = getattr(self, direction)
-        for op in ops:
-            tensor = op.tensor
-            sent[boundary] += tensor.numel() * tensor.element_size()
+    def record(
+        self,
+        direction: str,
+        boundary: int,
+        sent: list[torch.Tensor],
+        original: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Count the tensors ``sent``; ``original``: the uncompressed tensors they encode
+        (default: ``sent`` itself), whose last dimension the dense figure widens to ``dim``."""
+        counter = getattr(self, direction)
+        for tensor in sent:
+            counter[boundary] += tensor.numel() * tensor.element_size()
+        for tensor in sent if original is None else original:
             per_feature = tensor.numel() // tensor.shape[-1]
             self.dense[boundary] += per_feature * self.dim * tensor.element_size()
 
@@ -52,38 +65,95 @@ class WireMeter:
 
 
 class WirePipelineStage(PipelineStage):
-    """A ``PipelineStage`` that meters what it sends and optionally routes it over a slow link."""
+    """A ``PipelineStage`` that meters what it sends, optionally compresses it with a lossy codec
+    and optionally routes it over a slow link.
 
-    def __init__(self, *args, meter: WireMeter, link: SimulatedLink | None = None, **kwargs):
+    Codec state, per microbatch (chunk id): the forward payload this stage sent (``_sent``) and
+    the one it received (``_received``) -- the backward of TopK (straight-through) and SVD needs
+    them on both sides -- and the gradient payload buffers posted for receipt (``_grad_in``).
+    """
+
+    def __init__(
+        self,
+        *args,
+        meter: WireMeter,
+        link: SimulatedLink | None = None,
+        codec: Codec | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.meter = meter
         self.link = link
+        self.codec = codec
+        self._sent: dict[int, Payload] = {}
+        self._received: dict[int, tuple[Payload, torch.Tensor]] = {}
+        self._grad_in: dict[int, tuple[Payload, torch.Tensor]] = {}
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
-        self.meter.record("fwd", self.stage_index, ops)
-        return self._with_stamp(ops)
+        if self.codec is None or not ops:
+            self.meter.record("fwd", self.stage_index, [op.tensor for op in ops])
+            return self._with_stamp(ops)
+        (op,) = ops
+        with torch.no_grad():
+            payload = self.codec.encode(op.tensor)
+        self._sent[fwd_chunk_id] = payload
+        self.meter.record("fwd", self.stage_index, payload, [op.tensor])
+        return self._with_stamp(_sends(op, payload))
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
-        self.meter.record("bwd", self.stage_index - 1, ops)
-        return self._with_stamp(ops)
+        if self.codec is None or not ops:
+            self.meter.record("bwd", self.stage_index - 1, [op.tensor for op in ops])
+            return self._with_stamp(ops)
+        (op,) = ops
+        with torch.no_grad():
+            payload = self.codec.encode_grad(op.tensor, self._received[bwd_chunk_id][0])
+        self.meter.record("bwd", self.stage_index - 1, payload, [op.tensor])
+        return self._with_stamp(_sends(op, payload))
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        if self.codec is not None and ops:
+            ops = self._payload_recvs(ops, "fwd", self._received, fwd_chunk_id)
         return self._with_expectation(ops, "fwd", fwd_chunk_id, self.stage_index - 1)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        if self.codec is not None and ops:
+            ops = self._payload_recvs(ops, "bwd", self._grad_in, bwd_chunk_id)
         return self._with_expectation(ops, "bwd", bwd_chunk_id, self.stage_index)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self._await_arrival("fwd", fwd_chunk_id)
+        if self.codec is not None and fwd_chunk_id in self._received:
+            payload, buffer = self._received[fwd_chunk_id]
+            with torch.no_grad():
+                buffer.copy_(self.codec.decode(payload, buffer.shape))
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
         self._await_arrival("bwd", bwd_chunk_id)
+        if self.codec is not None and bwd_chunk_id in self._grad_in:
+            payload, buffer = self._grad_in.pop(bwd_chunk_id)
+            sent = self._sent[bwd_chunk_id]
+            with torch.no_grad():
+                buffer.copy_(self.codec.decode_grad(payload, sent, buffer.shape))
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def _payload_recvs(
+        self, ops: list[dist.P2POp], direction: str, store: dict, chunk: int
+    ) -> list[dist.P2POp]:
+        """Receive ops for the payload of the one ``d``-wide tensor ``ops`` would receive; the
+        payload buffers and that tensor (the stage's receive buffer) are kept in ``store``."""
+        (op,) = ops
+        target = op.tensor
+        payload = [
+            torch.empty(shape, dtype=dtype, device=target.device)
+            for shape, dtype in self.codec.spec(target.shape, target.dtype, direction)
+        ]
+        store[chunk] = (payload, target)
+        return [dist.P2POp(dist.irecv, t, op.peer, op.group) for t in payload]
 
     def _with_stamp(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         if self.link is not None and ops:
@@ -102,3 +172,8 @@ class WirePipelineStage(PipelineStage):
             self.link.wait(direction, chunk)
         else:
             self.link.discard(direction, chunk)
+
+
+def _sends(op: dist.P2POp, payload: Payload) -> list[dist.P2POp]:
+    """Send ops for ``payload`` to the peer (and over the group) of the data op ``op``."""
+    return [dist.P2POp(dist.isend, t, op.peer, op.group) for t in payload]

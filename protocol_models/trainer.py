@@ -21,10 +21,13 @@ from torchtitan.components.validate import Validator
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.trainer import Trainer
 
+from protocol_models.codecs import CodecSettings, build_codec
 from protocol_models.errors import StartupError
+from protocol_models.grassmann import SubspaceTracker
 from protocol_models.link import LinkSettings, SimulatedLink
 from protocol_models.metrics import ProtocolMetricsProcessor
 from protocol_models.model import ModelArch, ProtocolSettings, build_model_spec
+from protocol_models.optimizers import bind_subspace
 from protocol_models.pipeline import pipeline_protocol
 from protocol_models.stage import WireMeter
 
@@ -76,6 +79,7 @@ class ProtocolTrainer(Trainer):
         validator: ProtocolValidator.Config = field(default_factory=ProtocolValidator.Config)
         wan: LinkSettings = field(default_factory=LinkSettings)
         hardware: HardwareSettings = field(default_factory=HardwareSettings)
+        codec: CodecSettings = field(default_factory=CodecSettings)
 
         @property
         def layout_stages(self) -> int:
@@ -89,12 +93,35 @@ class ProtocolTrainer(Trainer):
             config.model,
             config.protocol,
             config.layout_stages,
-            pipelining_fn=partial(pipeline_protocol, meter=self.wire_meter, link=self.link),
+            pipelining_fn=partial(
+                pipeline_protocol,
+                meter=self.wire_meter,
+                link=self.link,
+                codec=build_codec(
+                    config.protocol.mode, config.codec, config.model.dim, config.protocol.seed
+                ),
+            ),
+            codec=config.codec,
+            microbatch=config.parallelism.pipeline_parallel_microbatch_size,
         )
         super().__init__(config)
         self.metrics_processor.wire_meter = self.wire_meter
         self.metrics_processor.link = self.link
         self.check_stages_agree()
+        bind_subspace(self.optimizers, self.model_parts)
+        protocol = config.protocol
+        self.subspace_tracker = None
+        if protocol.update_every > 0 and self.model_parts[0].subspace:
+            self.subspace_tracker = SubspaceTracker(
+                self.model_parts,
+                self.optimizers,
+                update_every=protocol.update_every,
+                angle_deg=protocol.update_angle_deg,
+                after_update=self.check_stages_agree,
+            )
+        self.optimizers.subspace = self.subspace_tracker
+        self.metrics_processor.subspace = self.subspace_tracker
+        self.table_digest = _digest(self.model_parts[0], ("token_table",))
 
     def check_stages_agree(self) -> None:
         """Every pipeline stage must hold the same subspace (U, F and their seed) and layout;
@@ -102,7 +129,10 @@ class ProtocolTrainer(Trainer):
         silently wrong activations, so it stops the run before step 1."""
         if not self.parallel_dims.pp_enabled:
             return
-        mine = (*self._protocol_identity(), _fingerprint(self.model_parts[0]))
+        mine = (
+            *self._protocol_identity(),
+            _digest(self.model_parts[0], ("basis", "token_table")).hex(),
+        )
         group = self.parallel_dims.get_mesh("pp").get_group()
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
@@ -120,6 +150,32 @@ class ProtocolTrainer(Trainer):
         protocol, model = self.config.protocol, self.config.model
         return (protocol.mode, protocol.k, protocol.seed, model.dim)
 
+    def state_dict(self) -> dict[str, Any]:
+        """TorchTitan's train state plus the subspace's: a sha256 of F (regenerated from the
+        seed, verified on load) and, with updates on, the update count and this rank's window
+        sum of ``dL/dU`` (U itself is a model buffer)."""
+        state = super().state_dict()
+        if self.table_digest:
+            state["subspace_table_sha256"] = torch.frombuffer(
+                bytearray(self.table_digest), dtype=torch.uint8
+            )
+        if self.subspace_tracker is not None:
+            state.update(self.subspace_tracker.state_dict(dist.get_rank()))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        stored = state_dict.get("subspace_table_sha256")
+        if stored is not None and bytes(stored.tolist()) != self.table_digest:
+            raise StartupError(
+                f"checkpoint in {self.config.checkpoint.folder!r} was trained with a different "
+                f"token table F than protocol.seed = {self.config.protocol.seed} generates "
+                f"(sha256 {bytes(stored.tolist()).hex()[:12]} vs {self.table_digest.hex()[:12]});"
+                " resume with the run's original [protocol] seed and [model] sizes"
+            )
+        if self.subspace_tracker is not None:
+            self.subspace_tracker.load_state_dict(state_dict, dist.get_rank())
+
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         return inputs, labels, add_protocol_kwargs(inputs, extra, self.model_config)
@@ -134,11 +190,13 @@ class ProtocolTrainer(Trainer):
         super().train_step(data_iterator)
 
 
-def _fingerprint(model: torch.nn.Module) -> str:
-    """sha256 of the frozen U and F this stage holds ("" in dense mode)."""
+def _digest(model: torch.nn.Module, names: tuple[str, ...]) -> bytes:
+    """sha256 of this stage's named buffers (b"" in dense mode, where there are none)."""
+    buffers = [getattr(model, name, None) for name in names]
+    if all(b is None for b in buffers):
+        return b""
     digest = hashlib.sha256()
-    for name in ("basis", "token_table"):
-        buffer = getattr(model, name, None)
+    for buffer in buffers:
         if buffer is not None:
-            digest.update(buffer.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+            digest.update(buffer.detach().cpu().float().contiguous().numpy().tobytes())
+    return digest.digest()

@@ -66,7 +66,8 @@ def test_constraint_layout(mode):
     model = _model(mode, stages=2)
     for layer_id, block in model.layers.items():
         constrained = mode == "subspace" and int(layer_id) < 2
-        assert block.constrained == constrained
+        assert block.upstream == (int(layer_id) < 2)
+        assert block.factored == constrained
         width = 4 if constrained else ARCH.dim
         assert block.attention.wo.weight.shape[0] == width
         assert block.feed_forward.w2.weight.shape[0] == width

@@ -32,7 +32,7 @@ def test_muon_step_is_the_documented_update():
     assert torch.allclose(w.detach(), -0.1 * newton_schulz(nesterov), atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["adamw", "muon"])
+@pytest.mark.parametrize("name", ["adamw", "adamw_rowwise", "muon", "adamw_project"])
 def test_optimizer_keeps_the_subspace_and_learns(tmp_path, name):
     records = torchrun(
         2,

@@ -1,0 +1,334 @@
+"""Lossy boundary codecs -- the baselines the subspace codec is compared with (METHOD §9).
+
+Selected by ``[protocol] mode`` (``topk``, ``quant``, ``lowrank``, ``svd``) with parameters in the
+TOML table ``[codec]``; every lossy mode trains the **unconstrained dense** model (no U, no F) and
+compresses its ``d``-wide boundary tensor ``x`` ``[mb, seq, d]``. Each codec turns ``x`` into the
+real packed payload (a list of tensors, exactly what crosses the wire) and back, and does the same
+for the gradient that flows back over the boundary:
+
+* ``topk``: per token the K largest ``|x_j|`` -- values ``[.., K]`` (wire dtype) and indices
+  ``[.., K]`` int16. Backward ``topk``: TopK of the gradient (the same two tensors);
+  ``straight_through``: the gradient at the forward's indices (values only).
+* ``quant``: per-token absmax ``a``; codes of a ``2^b``-level grid on ``[-a, a]``, bit-packed
+  into uint8 ``[.., d b / 8]``, plus ``a`` ``[.., 1]`` (wire dtype). Backward: the same payload
+  with stochastic rounding.
+* ``lowrank``: ``x P`` ``[.., k]`` with a fixed orthonormal ``P`` ``[d, k]``. Backward: ``g P``.
+* ``svd``: per microbatch ``X`` ``[T, d]`` (``T = mb * seq``): ``L = X R`` ``[T, r]`` and ``R``
+  ``[d, r]``, the top-r right singular vectors. Backward: ``G R`` ``[T, r]``.
+
+The backward is the gradient of the lossy map ``x -> decode(encode(x))`` wherever that map is
+differentiable with the data-dependent choices (TopK mask, ``R``) held fixed: ``mask * g``
+(``straight_through``), ``g P P^T`` (``lowrank``), ``g R R^T`` (``svd``). ``quant`` uses the
+straight-through estimator of rounding (identity), then compresses ``g`` with stochastic rounding
+(unbiased). ``topk`` backward ``topk`` is the paper's baseline: TopK applied independently to the
+received gradient -- biased, not the gradient of the forward map. Everything the backward needs
+(indices, ``R``) is part of the forward payload, so sender and receiver hold the same state: the
+forward payload, kept per microbatch.
+
+Where they run (both paths call the same ``encode``/``decode`` on the same packed tensors):
+
+* **pipelined runs** (one process per stage): at the transport hook, ``WirePipelineStage``
+  (``protocol_models.stage``) sends the payload instead of ``x`` and unpacks it into the next
+  stage's receive buffer; gradients likewise in the other direction. The wire meter counts the
+  payload bytes.
+* **single-process runs with** ``protocol.stages = S``: in-graph, ``apply_boundary`` -- an
+  autograd function whose forward is ``decode(encode(x))`` and whose backward is
+  ``decode_grad(encode_grad(g))`` -- runs at the S - 1 stage boundaries inside
+  ``ProtocolModel.forward``. The receiver's ``x̂`` and its gradient are the same tensors as in the
+  pipelined run, so both give the same losses (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from protocol_models import subspace
+
+LOSSY_MODES = ("topk", "quant", "lowrank", "svd")
+INDEX_DTYPE = torch.int16
+"""TopK indices on the wire (``d <= 32768``)."""
+Payload = list[torch.Tensor]
+Spec = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(kw_only=True, slots=True)
+class CodecSettings:
+    """Parameters of the lossy boundary codecs (TOML table ``[codec]``)."""
+
+    topk: int = 21
+    """``topk``: values kept per token (fp32 wire: ``6 K`` bytes vs ``4 d``)."""
+    topk_backward: Literal["topk", "straight_through"] = "topk"
+    """``topk``: TopK of the gradient, or the gradient at the forward's indices."""
+    bits: Literal[2, 4, 8] = 8
+    """``quant``: bits per coordinate (bit-packed; ``d`` must be a multiple of ``8 / bits``)."""
+    rank: int = 8
+    """``lowrank``: coordinates per token (``P`` is ``[d, rank]``); ``svd``: rank per microbatch."""
+    seed: int = 4321
+    """Seed of the gradients' stochastic rounding (``quant``); ``lowrank``'s ``P`` is the
+    subspace basis of ``protocol.seed`` (the subspace codec without constraint and F)."""
+
+
+def _nbytes(spec: Spec) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in spec)
+
+
+class Codec(ABC):
+    """Encode a boundary tensor ``x`` ``[mb, seq, d]`` into a packed payload and back.
+
+    ``fwd`` is always the forward payload of the same microbatch (the only state the backward
+    needs; both sides of the wire hold it).
+    """
+
+    name: str
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> Payload: ...
+
+    @abstractmethod
+    def decode(self, payload: Payload, shape: torch.Size) -> torch.Tensor: ...
+
+    @abstractmethod
+    def encode_grad(self, g: torch.Tensor, fwd: Payload) -> Payload: ...
+
+    @abstractmethod
+    def decode_grad(self, payload: Payload, fwd: Payload, shape: torch.Size) -> torch.Tensor: ...
+
+    @abstractmethod
+    def spec(self, shape: torch.Size, dtype: torch.dtype, direction: str) -> Spec:
+        """Shapes and dtypes of the ``fwd``/``bwd`` payload of a ``shape`` tensor of ``dtype``
+        (what a receiver allocates)."""
+
+    @abstractmethod
+    def payload_bytes(self, shape: torch.Size, dtype: torch.dtype, direction: str) -> int:
+        """Analytic size of the ``fwd``/``bwd`` payload in bytes (the formula in the docs)."""
+
+
+class TopK(Codec):
+    """Per token, the ``K`` largest ``|x_j|``: values (wire dtype) + int16 indices.
+    Bytes per token: ``K (itemsize + 2)`` each way (``K itemsize`` backward, straight-through)."""
+
+    name = "topk"
+
+    def __init__(self, k: int, backward: str):
+        self.k, self.backward = k, backward
+
+    def _select(self, x: torch.Tensor) -> Payload:
+        index = x.abs().topk(self.k, dim=-1, sorted=False).indices
+        return [x.gather(-1, index).contiguous(), index.to(INDEX_DTYPE)]
+
+    def encode(self, x):
+        return self._select(x)
+
+    def decode(self, payload, shape):
+        values, index = payload
+        return values.new_zeros(shape).scatter(-1, index.long(), values)
+
+    def encode_grad(self, g, fwd):
+        if self.backward == "straight_through":
+            return [g.gather(-1, fwd[1].long()).contiguous()]
+        return self._select(g)
+
+    def decode_grad(self, payload, fwd, shape):
+        if self.backward == "straight_through":
+            return self.decode([payload[0], fwd[1]], shape)
+        return self.decode(payload, shape)
+
+    def spec(self, shape, dtype, direction):
+        values = (*shape[:-1], self.k)
+        if direction == "bwd" and self.backward == "straight_through":
+            return [(values, dtype)]
+        return [(values, dtype), (values, INDEX_DTYPE)]
+
+    def payload_bytes(self, shape, dtype, direction):
+        tokens = math.prod(shape[:-1])
+        index = 0 if direction == "bwd" and self.backward == "straight_through" else 2
+        return tokens * self.k * (dtype.itemsize + index)
+
+
+class Quant(Codec):
+    """Per-token absmax ``a``, ``2^b`` uniform levels on ``[-a, a]`` (step ``2a / (2^b - 1)``),
+    codes bit-packed ``8 / b`` per byte. Forward rounds to nearest (error <= step / 2), gradients
+    round stochastically (unbiased, error < step). Bytes per token: ``d b / 8 + itemsize``."""
+
+    name = "quant"
+
+    def __init__(self, bits: int, seed: int):
+        self.bits, self.levels = bits, 2**bits - 1
+        self.per_byte = 8 // bits
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def _quantize(self, x: torch.Tensor, stochastic: bool) -> Payload:
+        scale = x.abs().amax(dim=-1, keepdim=True).to(x.dtype)
+        tiny = torch.finfo(torch.float32).tiny
+        u = (x.float() / scale.float().clamp_min(tiny) + 1) * (self.levels / 2)
+        if stochastic:
+            noise = torch.rand(u.shape, generator=self._generator(u.device), device=u.device)
+            u = torch.floor(u + noise)
+        else:
+            u = torch.round(u)
+        codes = u.clamp_(0, self.levels).to(torch.uint8)
+        return [self._pack(codes), scale.contiguous()]
+
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        grouped = codes.view(*codes.shape[:-1], -1, self.per_byte)
+        shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=codes.device)
+        return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(-1) >> shifts) & self.levels
+        return codes.flatten(-2)
+
+    def decode(self, payload, shape):
+        packed, scale = payload
+        codes = self._unpack(packed).float()
+        x = (codes * (2 / self.levels) - 1) * scale.float()
+        return x.to(scale.dtype)
+
+    def encode(self, x):
+        return self._quantize(x, stochastic=False)
+
+    def encode_grad(self, g, fwd):
+        return self._quantize(g, stochastic=True)
+
+    def decode_grad(self, payload, fwd, shape):
+        return self.decode(payload, shape)
+
+    def spec(self, shape, dtype, direction):
+        lead = tuple(shape[:-1])
+        return [((*lead, shape[-1] // self.per_byte), torch.uint8), ((*lead, 1), dtype)]
+
+    def payload_bytes(self, shape, dtype, direction):
+        tokens = math.prod(shape[:-1])
+        return tokens * (shape[-1] * self.bits // 8 + dtype.itemsize)
+
+
+class LowRank(Codec):
+    """Fixed orthonormal ``P`` ``[d, k]``: send ``x P``, rebuild ``x P P^T``; the gradient is
+    ``g P`` then ``P^T`` (exact for this linear map). Bytes per token: ``k itemsize`` each way."""
+
+    name = "lowrank"
+
+    def __init__(self, projection: torch.Tensor):
+        self.projection = projection
+
+    def _p(self, t: torch.Tensor) -> torch.Tensor:
+        if self.projection.device != t.device:
+            self.projection = self.projection.to(t.device)
+        return self.projection
+
+    def encode(self, x):
+        return [(x.float() @ self._p(x)).to(x.dtype).contiguous()]
+
+    def decode(self, payload, shape):
+        (c,) = payload
+        return (c.float() @ self._p(c).T).to(c.dtype)
+
+    def encode_grad(self, g, fwd):
+        return self.encode(g)
+
+    def decode_grad(self, payload, fwd, shape):
+        return self.decode(payload, shape)
+
+    def spec(self, shape, dtype, direction):
+        return [((*shape[:-1], self.projection.shape[1]), dtype)]
+
+    def payload_bytes(self, shape, dtype, direction):
+        return math.prod(shape[:-1]) * self.projection.shape[1] * dtype.itemsize
+
+
+class TruncatedSVD(Codec):
+    """Per microbatch ``X`` ``[T, d]`` (``T = mb * seq``): ``R`` = top-``r`` right singular
+    vectors ``[d, r]``, ``L = X R`` ``[T, r]``; rebuild ``L R^T``. The gradient is projected on
+    the same ``R``: send ``G R``, rebuild ``G R R^T``. Bytes: ``r (T + d) itemsize`` forward,
+    ``r T itemsize`` backward."""
+
+    name = "svd"
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def encode(self, x):
+        flat = x.reshape(-1, x.shape[-1]).float()
+        right = torch.linalg.svd(flat, full_matrices=False).Vh[: self.rank].T
+        return [(flat @ right).to(x.dtype).contiguous(), right.to(x.dtype).contiguous()]
+
+    def decode(self, payload, shape):
+        left, right = payload
+        return (left.float() @ right.float().T).to(left.dtype).reshape(shape)
+
+    def encode_grad(self, g, fwd):
+        flat = g.reshape(-1, g.shape[-1]).float()
+        return [(flat @ fwd[1].float()).to(g.dtype).contiguous()]
+
+    def decode_grad(self, payload, fwd, shape):
+        return self.decode([payload[0], fwd[1]], shape)
+
+    def spec(self, shape, dtype, direction):
+        tokens = math.prod(shape[:-1])
+        left = ((tokens, self.rank), dtype)
+        return [left, ((shape[-1], self.rank), dtype)] if direction == "fwd" else [left]
+
+    def payload_bytes(self, shape, dtype, direction):
+        tokens, d = math.prod(shape[:-1]), shape[-1]
+        return self.rank * (tokens + (d if direction == "fwd" else 0)) * dtype.itemsize
+
+
+def build_codec(mode: str, settings: CodecSettings, dim: int, protocol_seed: int) -> Codec | None:
+    """The codec of ``[protocol] mode`` (None for ``dense`` and ``subspace``)."""
+    if mode == "topk":
+        return TopK(settings.topk, settings.topk_backward)
+    if mode == "quant":
+        return Quant(settings.bits, settings.seed)
+    if mode == "lowrank":
+        basis, _ = subspace.make_basis_and_table(protocol_seed, dim, settings.rank, 0)
+        return LowRank(basis)
+    if mode == "svd":
+        return TruncatedSVD(settings.rank)
+    return None
+
+
+class _Boundary(torch.autograd.Function):
+    """``decode(encode(x))`` forward, ``decode_grad(encode_grad(g))`` backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codec: Codec) -> torch.Tensor:
+        payload = codec.encode(x.detach())
+        ctx.codec, ctx.payload, ctx.shape = codec, payload, x.shape
+        return codec.decode(payload, x.shape)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        codec = ctx.codec
+        grad = codec.encode_grad(g.contiguous(), ctx.payload)
+        return codec.decode_grad(grad, ctx.payload, ctx.shape), None
+
+
+def apply_boundary(x: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """The in-graph boundary of single-process runs: ``x`` ``[mb, seq, d]`` -> ``x̂`` (same
+    shape and dtype) with the codec's backward."""
+    return _Boundary.apply(x, codec)
+
+
+__all__ = [
+    "LOSSY_MODES",
+    "Codec",
+    "CodecSettings",
+    "LowRank",
+    "Quant",
+    "TopK",
+    "TruncatedSVD",
+    "apply_boundary",
+    "build_codec",
+]

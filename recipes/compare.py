@@ -1,0 +1,305 @@
+"""Codec comparison (issue #4): every boundary codec at matched compression ratios.
+
+    python recipes/compare.py                 # full study (~60-75 min on a 2-core CPU)
+    python recipes/compare.py --quick         # tiny model, few steps: checks the harness (~1 min)
+    python recipes/compare.py --render-only   # table and plots from an existing results.json
+
+Every run trains the reference workload (``configs/reference_cpu.toml``: Shakespeare, d=256,
+8 layers laid out as 4 pipeline stages, 300 steps, validation every 50 steps) in one process with
+``protocol.stages = 4``: the lossy codecs run in-graph at the 3 stage boundaries
+(``protocol_models.codecs``), the subspace codec is exact. All runs use the same optimizer
+(``OPTIMIZER``: Muon on every block matrix, AdamW elsewhere), so dense is a fair baseline.
+Runs go through ``common.train_cached``, shared with the other studies.
+
+Writes ``results/compare/{results.json,table.md,val_loss.png,error_vs_depth.png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+
+import common
+import torch
+from common import PARALLEL_RUNS, REFERENCE, REPO, read_jsonl, train_cached, validation_curve
+from error_vs_depth import error_vs_depth
+
+from protocol_models.codecs import build_codec
+from protocol_models.config import load_config
+
+OPTIMIZER = "muon"
+"""The one optimizer of every arm (issue #3's choice): Muon on all block matrices."""
+QUICK_TOML = REPO / "tests" / "tiny.toml"
+QUICK = ["--protocol.stages", "2", "--training.steps", "12", "--validator.enable",
+         "--validator.freq", "4", "--validator.steps", "2"]  # fmt: skip
+
+
+def arm(name: str, ratio: str, mode: str, extra: list[str], seeds: tuple[int, ...] = (0,)):
+    """One row of the study: ``mode`` + ``extra`` overrides, trained once per seed."""
+    return {"name": name, "ratio": ratio, "mode": mode, "extra": extra, "seeds": list(seeds)}
+
+
+def overrides(a: dict, seed: int) -> list[str]:
+    """The run's overrides. Dense and subspace k=8 use exactly the lists of the optimizer
+    ablation (``recipes/ablation.py``), so the run cache trains them once for both studies."""
+    mode = [] if a["mode"] == "subspace" else ["--protocol.mode", a["mode"]]
+    return [*mode, *a["extra"], "--optimizer.name", OPTIMIZER, "--debug.seed", str(seed)]
+
+
+ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x, then TopK straight-through (32x)
+    arm("dense", "1x", "dense", [], (0, 1)),
+    arm("subspace k=8", "32x", "subspace", [], (0, 1)),
+    arm("lowrank k=8", "32x", "lowrank", ["--codec.rank", "8"], (0, 1)),
+    arm("topk K=5", "32x", "topk", ["--codec.topk", "5"]),
+    arm("quant int2", "32x", "quant", ["--codec.bits", "2"]),
+    arm("svd r=5", "32x", "svd", ["--codec.rank", "5"]),
+    arm("subspace k=1", "256x", "subspace", ["--protocol.k", "1"]),
+    arm("lowrank k=1", "256x", "lowrank", ["--codec.rank", "1"]),
+    arm("svd r=1", "256x", "svd", ["--codec.rank", "1"]),
+    arm("subspace k=32", "8x", "subspace", ["--protocol.k", "32"]),
+    arm("lowrank k=32", "8x", "lowrank", ["--codec.rank", "32"]),
+    arm("topk K=21", "8x", "topk", ["--codec.topk", "21"]),
+    arm("quant int4", "8x", "quant", ["--codec.bits", "4"]),
+    arm("svd r=21", "8x", "svd", ["--codec.rank", "21"]),
+    arm("topk K=5 (ST)", "32x", "topk",
+        ["--codec.topk", "5", "--codec.topk_backward", "straight_through"]),
+]  # fmt: skip
+
+QUICK_ARMS = [
+    arm("dense", "1x", "dense", [], (0, 1)),
+    arm("subspace k=4", "16x", "subspace", []),
+    arm("lowrank k=4", "16x", "lowrank", ["--codec.rank", "4"]),
+    arm("topk K=3", "16x", "topk", ["--codec.topk", "3"]),
+    arm("quant int2", "16x", "quant", ["--codec.bits", "2"]),
+    arm("svd r=2", "16x", "svd", ["--codec.rank", "2"]),
+]
+
+
+def wire_bytes(toml: Path, over: list[str]) -> dict:
+    """Bytes one training step sends over all boundaries, from the real packed payloads the
+    run's codec emits at the workload's boundary shape ``[mb, seq, d]`` (random data: sizes do
+    not depend on values). ``dense``: the same messages uncompressed."""
+    config = load_config(str(toml), over, check_environment=False)
+    arch, protocol, par = config.model, config.protocol, config.parallelism
+    shape = (par.pipeline_parallel_microbatch_size, config.training.seq_len, arch.dim)
+    messages = (config.training.local_batch_size // shape[0]) * (config.layout_stages - 1)
+    x = torch.randn(shape)
+    codec = build_codec(protocol.mode, config.codec, arch.dim, protocol.seed)
+    if codec is not None:
+        fwd = codec.encode(x)
+        bwd = codec.encode_grad(torch.randn(shape), fwd)
+    else:
+        width = protocol.k if protocol.mode == "subspace" else arch.dim
+        fwd = bwd = [x[..., :width]]
+    size = lambda payload: messages * sum(t.numel() * t.element_size() for t in payload)  # noqa: E731
+    dense = messages * x.numel() * x.element_size()
+    return {"fwd": size(fwd), "bwd": size(bwd), "dense": 2 * dense}
+
+
+def wall_seconds(folder: Path) -> float:
+    """From the first to the last timestamp of the run's log."""
+    stamps = re.findall(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", (folder / "run.log")
+                        .read_text(errors="replace"))  # fmt: skip
+    first, last = (datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s in (stamps[0], stamps[-1]))
+    return (last - first).total_seconds()
+
+
+def run_all(arms: list[dict], toml: Path, quick_over: list[str]) -> dict:
+    """Train every (arm, seed) through the shared cache, ``PARALLEL_RUNS`` at a time."""
+    jobs = [(a, s) for a in arms for s in a["seeds"]]
+
+    def one(job):
+        a, seed = job
+        over = [*quick_over, *overrides(a, seed)]
+        folder = train_cached(over, toml=toml, nproc=1)
+        print(f"done: {a['name']} seed {seed} ({folder.name})", flush=True)
+        return folder
+
+    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+        folders = list(pool.map(one, jobs))
+    results: dict = {}
+    for (a, seed), folder in zip(jobs, folders, strict=True):
+        entry = results.setdefault(a["name"], {
+            "ratio_group": a["ratio"], "mode": a["mode"],
+            "bytes_per_step": wire_bytes(toml, [*quick_over, *overrides(a, seed)]), "seeds": {},
+        })  # fmt: skip
+        train = read_jsonl(folder / "metrics.jsonl")
+        entry["seeds"][str(seed)] = {
+            "run": str(folder.relative_to(REPO) if folder.is_relative_to(REPO) else folder),
+            "overrides": overrides(a, seed),
+            "val_curve": validation_curve(folder),
+            "final_train_loss": train[-1]["loss"] if train else None,
+            "wall_s": wall_seconds(folder),
+        }
+    return results
+
+
+def summarize(results: dict) -> None:
+    """Per arm: mean/min/max final validation loss, perplexity, gap vs dense, ratio, and the
+    steps the dense mean curve needs to reach the arm's mean final loss (linear interpolation
+    between its validation points)."""
+    dense_curve = mean_curve(results["dense"])
+    dense_final = dense_curve[-1][1]
+    for entry in results.values():
+        finals = [s["val_curve"][-1][1] for s in entry["seeds"].values()]
+        mean = sum(finals) / len(finals)
+        b = entry["bytes_per_step"]
+        entry.update({
+            "final_val_loss": mean, "final_val_loss_min": min(finals),
+            "final_val_loss_max": max(finals), "perplexity": float(torch.tensor(mean).exp()),
+            "gap_vs_dense_pct": 100 * (mean - dense_final) / dense_final,
+            "ratio": b["dense"] / (b["fwd"] + b["bwd"]),
+            "dense_steps_to_reach": dense_steps_to(dense_curve, mean),
+            "wall_s": sum(s["wall_s"] for s in entry["seeds"].values()) / len(finals),
+        })  # fmt: skip
+
+
+def mean_curve(entry: dict) -> list[tuple[int, float]]:
+    curves = [s["val_curve"] for s in entry["seeds"].values()]
+    return [(c[0][0], sum(p[1] for p in c) / len(c)) for c in zip(*curves, strict=True)]
+
+
+def dense_steps_to(curve: list[tuple[int, float]], target: float) -> dict:
+    """Steps the dense curve needs to reach ``target``: ``{"steps": float}`` interpolated,
+    ``{"beyond": last_step}`` if it never gets there, ``{"before": first_step}`` if its first
+    validation point is already below it."""
+    if curve[0][1] <= target:
+        return {"before": curve[0][0]}
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
+        if l1 <= target:
+            return {"steps": s0 + (l0 - target) / (l0 - l1) * (s1 - s0)}
+    return {"beyond": curve[-1][0]}
+
+
+def render_table(results: dict, meta: dict) -> str:
+    steps = meta["steps"]
+    lines = [
+        f"Reference workload, {steps} steps, optimizer `{OPTIMIZER}` on every arm; ran on "
+        f"{meta['where']}.",
+        "",
+        "| ratio group | codec | final val loss (seeds) | ppl | gap vs dense | dense steps to "
+        "reach (inflation) | fwd + bwd bytes/step | ratio (fwd only) | wall time/run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, e in results.items():
+        finals = [f"{s['val_curve'][-1][1]:.3f}" for s in e["seeds"].values()]
+        spread = f" ({' / '.join(finals)})" if len(finals) > 1 else ""
+        loss = f"{e['final_val_loss']:.3f}{spread}"
+        reach = e["dense_steps_to_reach"]
+        if "steps" in reach:
+            need = f"{reach['steps']:.0f} ({steps / reach['steps']:.2f}x)"
+        elif "beyond" in reach:
+            need = f"> {reach['beyond']} (beats dense)"
+        else:
+            need = f"< {reach['before']}"
+        b = e["bytes_per_step"]
+        lines.append(
+            f"| {e['ratio_group']} | {name} | {loss} | {e['perplexity']:.1f} | "
+            f"{e['gap_vs_dense_pct']:+.2f}% | {need} | {b['fwd']:,} + {b['bwd']:,} | "
+            f"{e['ratio']:.1f}x ({b['dense'] / 2 / b['fwd']:.1f}x) | {e['wall_s'] / 60:.1f} min |"
+        )
+    lines += [
+        "",
+        "Final val loss: mean over seeds (each seed's value in brackets). Dense steps to reach: "
+        "where the dense mean validation curve (points every "
+        f"{meta['val_freq']} steps) crosses the codec's final loss, linearly interpolated; "
+        f"inflation = {steps} / that. Bytes: the packed payloads the codec emits per step "
+        "(all microbatches and boundaries); ratio = dense bytes / (fwd + bwd).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_val(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({e["ratio_group"] for e in results.values()} - {"1x"},
+                    key=lambda g: float(g.rstrip("x")))  # fmt: skip
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), sharey=True)
+    for ax, group in zip(list(getattr(axes, "flat", [axes])), groups, strict=True):
+        names = [n for n, e in results.items() if e["ratio_group"] in ("1x", group)]
+        for color, name in enumerate(names):
+            for i, s in enumerate(results[name]["seeds"].values()):
+                xs, ys = zip(*s["val_curve"], strict=True)
+                ax.plot(xs, ys, "-", marker=".", color="k" if name == "dense" else f"C{color}",
+                        alpha=1 if i == 0 else 0.45, label=name if i == 0 else None)  # fmt: skip
+        ax.set_title(f"{group}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        low = min(e["final_val_loss_min"] for e in results.values())
+        ax.set_ylim(low - 0.1, low + 1.5)
+    axes_list = list(getattr(axes, "flat", [axes]))
+    axes_list[0].set_ylabel("validation loss")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "compare")
+    parser.add_argument("--render-only", action="store_true",
+                        help="table and plots from an existing results.json (no runs)")  # fmt: skip
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.render_only:
+        results = json.loads((args.out / "results.json").read_text())
+        report(results, args.out)
+        return
+
+    started = time.time()
+    if args.quick:  # keep the harness check's tiny runs out of the shared study cache
+        common.RUN_CACHE = args.out / "runs"
+    toml, quick_over, arms = (
+        (QUICK_TOML, QUICK, QUICK_ARMS) if args.quick else (REFERENCE, [], ARMS)
+    )
+    runs = run_all(arms, toml, quick_over)
+    summarize(runs)
+    config = load_config(str(toml), quick_over, check_environment=False)
+    results = {
+        "meta": {
+            "quick": args.quick,
+            "toml": str(toml.relative_to(REPO)),
+            "steps": config.training.steps,
+            "val_freq": config.validator.freq,
+            "optimizer": OPTIMIZER,
+            "where": f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 process per run "
+            f"({PARALLEL_RUNS} runs at a time), in-graph codecs at the 4-stage layout's "
+            "boundaries" if not args.quick else "CPU (quick harness check)",
+        },
+        "runs": runs,
+    }
+    sub = "subspace k=4" if args.quick else "subspace k=8"
+    sub_folder = REPO / runs[sub]["seeds"]["0"]["run"]
+    dense_folder = REPO / runs["dense"]["seeds"]["0"]["run"]
+    results["error_vs_depth"] = error_vs_depth(
+        toml, quick_over, dense_folder, sub_folder, quick=args.quick
+    )
+    results["meta"]["recipe_wall_s"] = time.time() - started
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    report(results, args.out)
+
+
+def report(results: dict, out: Path) -> None:
+    from error_vs_depth import plot_error
+
+    (out / "table.md").write_text(render_table(results["runs"], results["meta"]))
+    quick = " [quick]" if results["meta"]["quick"] else ""
+    plot_val(results["runs"], out / "val_loss.png", f"Validation loss by ratio{quick}")
+    plot_error(results["error_vs_depth"], out / "error_vs_depth.png", quick)
+    print((out / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Lossy boundary codecs: bytes on the wire, gradients, error bounds, and the two code paths.
+
+Unit tests run in-process on ``[mb, seq, d]`` tensors; the last test trains the same codec once
+pipelined (transport hook, 2 processes) and once in one process (in-graph, ``protocol.stages 2``)
+from one seed checkpoint and compares the runs step by step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY, torchrun
+
+from protocol_models import subspace
+from protocol_models.codecs import CodecSettings, apply_boundary, build_codec
+from protocol_models.config import ConfigError, load_config
+
+SHAPE = torch.Size([2, 16, 64])  # mb, seq, d
+TOKENS, D = 32, 64
+
+# (mode, settings, analytic forward bytes, analytic backward bytes) for an fp32 [2, 16, 64] tensor,
+# written from the definitions in the issue (values + int16 indices, bit-packed codes + one scale
+# per token, x P, both SVD factors), independently of the codecs' own payload_bytes.
+CASES = [
+    ("topk", CodecSettings(topk=5), TOKENS * 5 * (4 + 2), TOKENS * 5 * (4 + 2)),
+    ("topk", CodecSettings(topk=5, topk_backward="straight_through"),
+     TOKENS * 5 * (4 + 2), TOKENS * 5 * 4),
+    ("quant", CodecSettings(bits=8), TOKENS * (64 + 4), TOKENS * (64 + 4)),
+    ("quant", CodecSettings(bits=4), TOKENS * (32 + 4), TOKENS * (32 + 4)),
+    ("quant", CodecSettings(bits=2), TOKENS * (16 + 4), TOKENS * (16 + 4)),
+    ("lowrank", CodecSettings(rank=8), TOKENS * 8 * 4, TOKENS * 8 * 4),
+    ("svd", CodecSettings(rank=3), 3 * (TOKENS + D) * 4, 3 * TOKENS * 4),
+]  # fmt: skip
+IDS = [f"{m}-{s.topk_backward if m == 'topk' else s.bits if m == 'quant' else s.rank}"
+       for m, s, _, _ in CASES]  # fmt: skip
+
+
+def _codec(mode: str, settings: CodecSettings):
+    return build_codec(mode, settings, D, protocol_seed=3)
+
+
+def _nbytes(payload) -> int:
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+@pytest.mark.parametrize(("mode", "settings", "fwd_bytes", "bwd_bytes"), CASES, ids=IDS)
+def test_payload_bytes_equal_analytic_size(mode, settings, fwd_bytes, bwd_bytes):
+    codec = _codec(mode, settings)
+    x, g = torch.randn(SHAPE), torch.randn(SHAPE)
+    fwd = codec.encode(x)
+    bwd = codec.encode_grad(g, fwd)
+    assert _nbytes(fwd) == codec.payload_bytes(SHAPE, torch.float32, "fwd") == fwd_bytes
+    assert _nbytes(bwd) == codec.payload_bytes(SHAPE, torch.float32, "bwd") == bwd_bytes
+    # what a receiver allocates is exactly what is sent
+    for payload, direction in ((fwd, "fwd"), (bwd, "bwd")):
+        spec = codec.spec(SHAPE, torch.float32, direction)
+        assert [(tuple(t.shape), t.dtype) for t in payload] == [(tuple(s), d) for s, d in spec]
+    assert codec.decode(fwd, SHAPE).shape == SHAPE
+    assert codec.decode_grad(bwd, fwd, SHAPE).shape == SHAPE
+
+
+@pytest.mark.parametrize(("mode", "settings", "fwd_bytes", "bwd_bytes"), CASES, ids=IDS)
+def test_gradient_payload_matches_forward_payload(mode, settings, fwd_bytes, bwd_bytes):
+    """The gradient travels in the forward payload's shapes and dtypes; straight-through TopK
+    and SVD send only the forward's first tensor's shape (the indices / R are reused)."""
+    codec = _codec(mode, settings)
+    fwd = codec.encode(torch.randn(SHAPE))
+    bwd = codec.encode_grad(torch.randn(SHAPE), fwd)
+    reused = mode == "svd" or settings.topk_backward == "straight_through" and mode == "topk"
+    expected = fwd[:1] if reused else fwd
+    assert [(t.shape, t.dtype) for t in bwd] == [(t.shape, t.dtype) for t in expected]
+
+
+def test_quant_is_bit_packed():
+    codec = _codec("quant", CodecSettings(bits=2))
+    packed, scale = codec.encode(torch.randn(SHAPE))
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == D // 4
+    codes = torch.randint(0, 4, (5, D), dtype=torch.uint8)
+    assert torch.equal(codec._unpack(codec._pack(codes)), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quant_round_to_nearest_within_half_a_step(bits):
+    codec = _codec("quant", CodecSettings(bits=bits))
+    x = torch.randn(SHAPE) * torch.rand(*SHAPE[:-1], 1) * 10
+    x_hat = codec.decode(codec.encode(x), SHAPE)
+    step = 2 * x.abs().amax(-1, keepdim=True) / (2**bits - 1)
+    assert ((x_hat - x).abs() <= step / 2 * (1 + 1e-5)).all()
+    # the extremes of every token are on the grid
+    assert torch.allclose(x_hat.abs().amax(-1), x.abs().amax(-1))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gradient_stochastic_rounding_is_unbiased_and_within_one_step(bits):
+    codec = _codec("quant", CodecSettings(bits=bits))
+    g = torch.randn(1, 4, 64)
+    step = 2 * g.abs().amax(-1, keepdim=True) / (2**bits - 1)
+    samples = torch.stack([codec.decode_grad(codec.encode_grad(g, []), [], g.shape)
+                           for _ in range(2000)])  # fmt: skip
+    assert ((samples - g).abs() < step * (1 + 1e-5)).all()
+    # bias of the mean of 2000 draws: std <= step / 2 / sqrt(2000) ~ 0.011 step
+    assert ((samples.mean(0) - g).abs() < 0.06 * step).all()
+    nearest = codec.decode(codec.encode(g), g.shape)
+    assert (samples != nearest).any(), "gradients must not be rounded to nearest"
+
+
+def test_straight_through_topk_gradient_uses_the_forward_mask():
+    x = torch.randn(SHAPE, requires_grad=True)
+    g = torch.randn(SHAPE)
+    mask = torch.zeros(SHAPE, dtype=torch.bool).scatter(-1, x.abs().topk(5, -1).indices, True)
+    st = _codec("topk", CodecSettings(topk=5, topk_backward="straight_through"))
+    apply_boundary(x, st).backward(g)
+    assert torch.equal(x.grad, torch.where(mask, g, 0.0))
+    # the ``topk`` variant keeps the gradient's own top 5 instead
+    x.grad = None
+    apply_boundary(x, _codec("topk", CodecSettings(topk=5))).backward(g)
+    g_mask = torch.zeros(SHAPE, dtype=torch.bool).scatter(-1, g.abs().topk(5, -1).indices, True)
+    assert torch.equal(x.grad, torch.where(g_mask, g, 0.0))
+    assert not torch.equal(mask, g_mask)
+
+
+@pytest.mark.parametrize("mode", ["lowrank", "svd"])
+def test_projection_backward_is_the_gradient_of_the_lossy_map(mode):
+    """lowrank: d/dx of ``x P P^T`` is ``g P P^T``; svd: with ``R`` held fixed, ``g R R^T``."""
+    codec = _codec(mode, CodecSettings(rank=4))
+    x = torch.randn(SHAPE, requires_grad=True)
+    g = torch.randn(SHAPE)
+    y = apply_boundary(x, codec)
+    y.backward(g)
+    if mode == "lowrank":
+        p = codec.projection
+    else:
+        p = codec.encode(x.detach())[1]
+    assert torch.allclose(y, x.detach() @ p @ p.T, atol=1e-5)
+    assert torch.allclose(x.grad, g @ p @ p.T, atol=1e-5)
+
+
+def test_subspace_codec_is_exact_and_lowrank_is_not():
+    """A stream in F[ids] + span(U) survives the subspace codec to fp32 rounding; the naive
+    projection on the same U (no F, no constraint) loses most of it."""
+    u, table = subspace.make_basis_and_table(3, D, 8, 100)
+    ids = torch.randint(0, 100, SHAPE[:-1])
+    x = table[ids] + torch.randn(*SHAPE[:-1], 8) @ u.T
+    exact = subspace.decode(subspace.encode(x, ids, u, table), ids, u, table)
+    assert ((exact - x).norm() / x.norm()) < 1e-6
+    lowrank = _codec("lowrank", CodecSettings(rank=8))
+    assert torch.equal(lowrank.projection, u)  # P is the subspace basis of protocol.seed
+    naive = lowrank.decode(lowrank.encode(x), SHAPE)
+    assert ((naive - x).norm() / x.norm()) > 0.5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--protocol.mode", "quant", "--codec.bits", "3"], "codec.bits = 3: expected one of"),
+        (["--protocol.mode", "topk", "--codec.topk", "0"], "codec.topk = 0: must be in [1, "),
+        (["--protocol.mode", "svd", "--codec.rank", "65"], "codec.rank = 65: must be"),
+        (["--protocol.mode", "svd", "--codec.rank", "64", "--training.seq_len", "32"],
+         "must be <= the 32 tokens of a microbatch"),
+        (["--codec.topk_backward", "mask"], "codec.topk_backward = 'mask': expected one of"),
+        (["--protocol.mode", "sparse"], "protocol.mode = 'sparse': expected one of"),
+        (["--codec.width", "3"], "unknown key 'codec.width'"),
+    ],
+)  # fmt: skip
+def test_codec_config_errors_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(str(TINY), overrides, check_environment=False)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def dense_seed_checkpoint(tmp_path_factory):
+    """One seed checkpoint of the tiny dense model: every lossy mode trains this model."""
+    folder = tmp_path_factory.mktemp("seed") / "run"
+    torchrun(
+        1, folder, "--protocol.stages", "2", "--protocol.mode", "lowrank",
+        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+    )  # fmt: skip
+    return folder / "checkpoint" / "step-0"
+
+
+@pytest.mark.parametrize(
+    ("codec", "settings"),
+    [(["--protocol.mode", "lowrank", "--codec.rank", "4"], CodecSettings(rank=4)),
+     (["--protocol.mode", "topk", "--codec.topk", "4", "--codec.topk_backward",
+       "straight_through"], CodecSettings(topk=4, topk_backward="straight_through"))],
+    ids=["lowrank", "topk-straight-through"],
+)  # fmt: skip
+def test_pipelined_transport_equals_in_graph_codec(tmp_path, dense_seed_checkpoint, codec,
+                                                   settings):  # fmt: skip
+    load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(dense_seed_checkpoint)]
+    single = torchrun(1, tmp_path / "in_graph", "--protocol.stages", "2", *codec, *load)
+    piped = torchrun(2, tmp_path / "transport", *codec, *load)
+
+    assert [r["step"] for r in single] == [r["step"] for r in piped] == [1, 2, 3]
+    for a, b in zip(single, piped, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 2e-6 * abs(a[key]), (key, a[key], b[key])
+    # tests/tiny.toml: 4 microbatches of [1, 64, 64] fp32 per step, one boundary
+    mode = codec[1]
+    c = build_codec(mode, settings, 64, protocol_seed=7)
+    shape = torch.Size([1, 64, 64])
+    for r in piped:
+        assert r["wire/fwd_bytes/b0"] == 4 * c.payload_bytes(shape, torch.float32, "fwd")
+        assert r["wire/bwd_bytes/b0"] == 4 * c.payload_bytes(shape, torch.float32, "bwd")
+        assert r["wire/dense_bytes"] == 2 * 4 * 64 * 64 * 4
