@@ -246,7 +246,8 @@ class GuardedOptimizers(OptimizersContainer):
 class OptimizerSettings:
     """TOML table ``[optimizer]``: one optimizer over all parameters."""
 
-    name: Literal["adamw", "adamw_rowwise", "muon", "adamw_project"] = "adamw"
+    name: Literal["adamw", "adamw_rowwise", "muon", "adamw_project"] = "muon"
+    """Default ``muon``: the best of the subspace ablation (README, results/subspace_ablation)."""
     lr: float = 8e-4
     """AdamW's learning rate (with ``muon``: for the embedding, head and norms)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])

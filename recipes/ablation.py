@@ -26,7 +26,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import REPO, read_jsonl, train_cached, validation_curve
+from common import REPO, read_jsonl, train_cached, validation_curve, wall_seconds
 
 OPTIMIZERS = ["adamw", "adamw_rowwise", "muon", "adamw_project"]
 TWIN = {"adamw": "adamw", "adamw_rowwise": "adamw_rowwise", "muon": "muon",
@@ -67,7 +67,7 @@ def collect(mode: str, optimizer: str, updates: bool, seed: int) -> dict:
         "val_curve": curve,
         "final_val_loss": curve[-1][1],
         "final_train_loss": records[-1]["loss"],
-        "wall_s": (folder / "done").stat().st_mtime - (folder / "config.json").stat().st_mtime,
+        "wall_s": wall_seconds(folder),
         "folder": str(folder.relative_to(REPO)),
     }
 
@@ -102,7 +102,7 @@ def main() -> None:
             for job, r in zip(second, pool.map(lambda j: collect(*j), second), strict=True):
                 runs[run_name(*job)] = r
         results = {"update_every": UPDATE_EVERY, "update_angle_deg": UPDATE_ANGLE_DEG,
-                   "best": run_name(*second[0]), "runs": runs}  # fmt: skip
+                   "best": run_name(*second[0][:3], 0), "runs": runs}  # fmt: skip
         (OUT / "results.json").write_text(json.dumps(results, indent=1))
     (OUT / "table.md").write_text(render_table(results))
     plot(results, OUT / "val_loss.png")
@@ -155,6 +155,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(OPTIMIZERS), figsize=(16, 4), sharey=True)
     runs = results["runs"]
+    lowest = min(r["final_val_loss"] for r in runs.values())
     for ax, optimizer in zip(axes, OPTIMIZERS, strict=True):
         for name, style in [
             (run_name("dense", TWIN[optimizer], False, 0), "k--"),
@@ -165,7 +166,7 @@ def plot(results: dict, path: Path) -> None:
             ax.plot(steps, losses, style, marker="o", ms=3, label=name.replace("/seed0", ""))
         ax.set_title(optimizer)
         ax.set_xlabel("step")
-        ax.set_ylim(top=7.0)
+        ax.set_ylim(bottom=lowest - 0.05, top=7.0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("validation loss")

@@ -11,10 +11,12 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,12 +83,7 @@ def train_cached(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1
     Concurrent callers (several recipes at once) wait for each other on a per-run lock, and at
     most ``PARALLEL_RUNS`` runs train at a time. Delete ``results/runs`` to retrain everything.
     """
-    from protocol_models.config import parse_overrides
-
-    canonical = sorted((k, repr(v)) for k, v in parse_overrides(overrides))
-    key = hashlib.sha256(json.dumps([toml.read_text(), canonical, nproc]).encode()).hexdigest()
-    key = key[:16]
-    folder = RUN_CACHE / key
+    folder = run_folder(overrides, toml=toml, nproc=nproc)
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder / ".lock"):
         if (folder / "done").is_file():
@@ -104,6 +101,15 @@ def train_cached(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1
             train(folder, [*single, *final_weights, *overrides], toml=toml, nproc=nproc, env=env)
         (folder / "done").touch()
     return folder
+
+
+def run_folder(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1) -> Path:
+    """Where ``train_cached`` keeps this run (finished iff it holds a ``done`` file)."""
+    from protocol_models.config import parse_overrides
+
+    canonical = sorted((k, repr(v)) for k, v in parse_overrides(overrides))
+    key = hashlib.sha256(json.dumps([toml.read_text(), canonical, nproc]).encode()).hexdigest()
+    return RUN_CACHE / key[:16]
 
 
 @contextlib.contextmanager
@@ -136,6 +142,17 @@ def _run_slot():
                 handle.close()
             return
         time.sleep(2)
+
+
+def wall_seconds(folder: Path) -> float:
+    """A run's wall time: from the first to the last timestamp of its log (excludes the time
+    ``train_cached`` waited for a slot)."""
+    stamps = re.findall(
+        r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})",
+        (folder / "run.log").read_text(errors="replace"),
+    )
+    first, last = (datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s in (stamps[0], stamps[-1]))
+    return (last - first).total_seconds()
 
 
 def read_jsonl(path: Path) -> list[dict]:
