@@ -1,8 +1,9 @@
 """Codec comparison (issue #4): every boundary codec at matched compression ratios.
 
-    python recipes/compare.py                 # full study (~60-75 min on a 2-core CPU)
+    python recipes/compare.py                 # full study (18 runs; not yet timed end to end)
     python recipes/compare.py --quick         # tiny model, few steps: checks the harness (~1 min)
     python recipes/compare.py --render-only   # table and plots from an existing results.json
+    python recipes/compare.py --cached-only   # report the finished runs only (trains nothing)
 
 Every run trains the reference workload (``configs/reference_cpu.toml``: Shakespeare, d=256,
 8 layers laid out as 4 pipeline stages, 300 steps, validation every 50 steps) in one process with
@@ -20,15 +21,22 @@ import argparse
 import json
 import os
 import platform
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from pathlib import Path
 
 import common
 import torch
-from common import PARALLEL_RUNS, REFERENCE, REPO, read_jsonl, train_cached, validation_curve
+from common import (
+    PARALLEL_RUNS,
+    REFERENCE,
+    REPO,
+    read_jsonl,
+    run_folder,
+    train_cached,
+    validation_curve,
+    wall_seconds,
+)
 from error_vs_depth import error_vs_depth
 
 from protocol_models.codecs import build_codec
@@ -53,20 +61,20 @@ def overrides(a: dict, seed: int) -> list[str]:
     return [*mode, *a["extra"], "--optimizer.name", OPTIMIZER, "--debug.seed", str(seed)]
 
 
-ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x, then TopK straight-through (32x)
+ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x (svd and TopK straight-through last)
     arm("dense", "1x", "dense", [], (0, 1)),
     arm("subspace k=8", "32x", "subspace", [], (0, 1)),
     arm("lowrank k=8", "32x", "lowrank", ["--codec.rank", "8"], (0, 1)),
     arm("topk K=5", "32x", "topk", ["--codec.topk", "5"]),
     arm("quant int2", "32x", "quant", ["--codec.bits", "2"]),
-    arm("svd r=5", "32x", "svd", ["--codec.rank", "5"]),
     arm("subspace k=1", "256x", "subspace", ["--protocol.k", "1"]),
     arm("lowrank k=1", "256x", "lowrank", ["--codec.rank", "1"]),
-    arm("svd r=1", "256x", "svd", ["--codec.rank", "1"]),
     arm("subspace k=32", "8x", "subspace", ["--protocol.k", "32"]),
     arm("lowrank k=32", "8x", "lowrank", ["--codec.rank", "32"]),
     arm("topk K=21", "8x", "topk", ["--codec.topk", "21"]),
     arm("quant int4", "8x", "quant", ["--codec.bits", "4"]),
+    arm("svd r=5", "32x", "svd", ["--codec.rank", "5"]),
+    arm("svd r=1", "256x", "svd", ["--codec.rank", "1"]),
     arm("svd r=21", "8x", "svd", ["--codec.rank", "21"]),
     arm("topk K=5 (ST)", "32x", "topk",
         ["--codec.topk", "5", "--codec.topk_backward", "straight_through"]),
@@ -103,21 +111,17 @@ def wire_bytes(toml: Path, over: list[str]) -> dict:
     return {"fwd": size(fwd), "bwd": size(bwd), "dense": 2 * dense}
 
 
-def wall_seconds(folder: Path) -> float:
-    """From the first to the last timestamp of the run's log."""
-    stamps = re.findall(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", (folder / "run.log")
-                        .read_text(errors="replace"))  # fmt: skip
-    first, last = (datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s in (stamps[0], stamps[-1]))
-    return (last - first).total_seconds()
-
-
-def run_all(arms: list[dict], toml: Path, quick_over: list[str]) -> dict:
-    """Train every (arm, seed) through the shared cache, ``PARALLEL_RUNS`` at a time."""
+def run_all(arms: list[dict], toml: Path, quick_over: list[str], cached_only: bool) -> dict:
+    """Train every (arm, seed) through the shared cache, ``PARALLEL_RUNS`` at a time
+    (``cached_only``: take the finished ones, train nothing)."""
     jobs = [(a, s) for a in arms for s in a["seeds"]]
 
     def one(job):
         a, seed = job
         over = [*quick_over, *overrides(a, seed)]
+        if cached_only:
+            folder = run_folder(over, toml=toml, nproc=1)
+            return folder if (folder / "done").is_file() else None
         folder = train_cached(over, toml=toml, nproc=1)
         print(f"done: {a['name']} seed {seed} ({folder.name})", flush=True)
         return folder
@@ -126,6 +130,8 @@ def run_all(arms: list[dict], toml: Path, quick_over: list[str]) -> dict:
         folders = list(pool.map(one, jobs))
     results: dict = {}
     for (a, seed), folder in zip(jobs, folders, strict=True):
+        if folder is None:
+            continue
         entry = results.setdefault(a["name"], {
             "ratio_group": a["ratio"], "mode": a["mode"],
             "bytes_per_step": wire_bytes(toml, [*quick_over, *overrides(a, seed)]), "seeds": {},
@@ -250,7 +256,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "compare")
     parser.add_argument("--render-only", action="store_true",
-                        help="table and plots from an existing results.json (no runs)")  # fmt: skip
+                        help="table and plots from an existing results.json (no runs)")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="report only the runs already finished in the cache")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.render_only:
@@ -264,7 +272,7 @@ def main() -> None:
     toml, quick_over, arms = (
         (QUICK_TOML, QUICK, QUICK_ARMS) if args.quick else (REFERENCE, [], ARMS)
     )
-    runs = run_all(arms, toml, quick_over)
+    runs = run_all(arms, toml, quick_over, args.cached_only)
     summarize(runs)
     config = load_config(str(toml), quick_over, check_environment=False)
     results = {
@@ -279,7 +287,9 @@ def main() -> None:
             "boundaries" if not args.quick else "CPU (quick harness check)",
         },
         "runs": runs,
-    }
+        "not_run": [f"{a['name']} (seed {s})" for a in arms for s in a["seeds"]
+                    if str(s) not in runs.get(a["name"], {}).get("seeds", {})],
+    }  # fmt: skip
     sub = "subspace k=4" if args.quick else "subspace k=8"
     sub_folder = REPO / runs[sub]["seeds"]["0"]["run"]
     dense_folder = REPO / runs["dense"]["seeds"]["0"]["run"]
@@ -294,7 +304,10 @@ def main() -> None:
 def report(results: dict, out: Path) -> None:
     from error_vs_depth import plot_error
 
-    (out / "table.md").write_text(render_table(results["runs"], results["meta"]))
+    table = render_table(results["runs"], results["meta"])
+    if results.get("not_run"):
+        table += f"\nNot run (no finished run in the cache): {', '.join(results['not_run'])}.\n"
+    (out / "table.md").write_text(table)
     quick = " [quick]" if results["meta"]["quick"] else ""
     plot_val(results["runs"], out / "val_loss.png", f"Validation loss by ratio{quick}")
     plot_error(results["error_vs_depth"], out / "error_vs_depth.png", quick)

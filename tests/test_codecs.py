@@ -181,10 +181,9 @@ def dense_seed_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("codec", "settings"),
-    [(["--protocol.mode", "lowrank", "--codec.rank", "4"], CodecSettings(rank=4)),
-     (["--protocol.mode", "topk", "--codec.topk", "4", "--codec.topk_backward",
+    [(["--protocol.mode", "topk", "--codec.topk", "4", "--codec.topk_backward",
        "straight_through"], CodecSettings(topk=4, topk_backward="straight_through"))],
-    ids=["lowrank", "topk-straight-through"],
+    ids=["topk-straight-through"],
 )  # fmt: skip
 def test_pipelined_transport_equals_in_graph_codec(tmp_path, dense_seed_checkpoint, codec,
                                                    settings):  # fmt: skip
