@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from protocol_models.model import ProtocolModel, local_matrix, project_
+from protocol_models.subspace import orthonormalize
 
 
 def geodesic_step(basis: torch.Tensor, grad: torch.Tensor, angle_deg: float) -> torch.Tensor:
@@ -48,7 +49,7 @@ def geodesic_step(basis: torch.Tensor, grad: torch.Tensor, angle_deg: float) -> 
     the basis is re-orthonormalized first and the projection applied twice, and U' gets a final
     QR, so that U'^T U' = I to fp32 rounding however many updates a run makes.
     """
-    u, g = _orthonormal(basis.double()), grad.double()
+    u, g = orthonormalize(basis.double()), grad.double()
     tangent = g - u @ (u.T @ g)
     tangent = tangent - u @ (u.T @ tangent)
     p, s, qt = torch.linalg.svd(-tangent, full_matrices=False)
@@ -56,13 +57,7 @@ def geodesic_step(basis: torch.Tensor, grad: torch.Tensor, angle_deg: float) -> 
         return basis.clone()
     ts = s * (math.radians(angle_deg) / s[0])
     rotated = (u @ qt.T) * torch.cos(ts) @ qt + p * torch.sin(ts) @ qt
-    return _orthonormal(rotated).float().contiguous()
-
-
-def _orthonormal(x: torch.Tensor) -> torch.Tensor:
-    """QR with column signs fixed (``diag(R) > 0``): the nearest-in-spirit orthonormal basis."""
-    q, r = torch.linalg.qr(x)
-    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+    return orthonormalize(rotated).float().contiguous()
 
 
 def largest_angle_deg(old: torch.Tensor, new: torch.Tensor) -> float:

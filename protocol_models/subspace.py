@@ -24,11 +24,16 @@ def make_basis_and_table(
     guaranteed across LAPACK builds; the fix makes ``U`` a function of ``G`` alone).
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    gaussian = torch.randn(dim, k, generator=gen, dtype=torch.float32)
-    q, r = torch.linalg.qr(gaussian)
-    basis = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+    basis = orthonormalize(torch.randn(dim, k, generator=gen, dtype=torch.float32))
     table = torch.randn(vocab_size, dim, generator=gen, dtype=torch.float32)
     return basis.contiguous(), table
+
+
+def orthonormalize(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning ``x`` ``[d, k]``: QR with column signs fixed so that
+    ``diag(R) > 0``, a function of ``x`` alone."""
+    q, r = torch.linalg.qr(x)
+    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
 
 
 def encode(x: torch.Tensor, ids: torch.Tensor, basis: torch.Tensor, table: torch.Tensor):
