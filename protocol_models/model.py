@@ -243,11 +243,10 @@ class ProtocolModel(Llama3Model):
             if layer.upstream
             for w in layer.writers()
         ]
-        if self.tok_embeddings is not None and any(
-            layer.upstream for layer in self.config.layers
-        ):
+        if self.tok_embeddings is not None and any(layer.upstream for layer in self.config.layers):
             weights.append((self.tok_embeddings.weight, "embedding"))
         return weights
+
     def forward(
         self,
         inputs: torch.Tensor,

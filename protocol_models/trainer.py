@@ -21,7 +21,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.trainer import Trainer
 
-from protocol_models.codecs import CodecSettings, build_codec
+from protocol_models.codecs import LOSSY_MODES, CodecSettings, build_codec
 from protocol_models.errors import StartupError
 from protocol_models.grassmann import SubspaceTracker
 from protocol_models.link import LinkSettings, SimulatedLink
@@ -130,7 +130,7 @@ class ProtocolTrainer(Trainer):
         if not self.parallel_dims.pp_enabled:
             return
         mine = (
-            *self._protocol_identity(),
+            protocol_identity(self.config),
             _digest(self.model_parts[0], ("basis", "token_table")).hex(),
         )
         group = self.parallel_dims.get_mesh("pp").get_group()
@@ -138,17 +138,13 @@ class ProtocolTrainer(Trainer):
         dist.all_gather_object(everyone, mine, group=group)
         if len(set(everyone)) > 1:
             stages = "; ".join(
-                f"stage {i}: mode={m}, k={k}, seed={s}, dim={d}, U/F sha256 {h[:12]}"
-                for i, (m, k, s, d, h) in enumerate(everyone)
+                f"stage {i}: {identity}, U/F sha256 {h[:12]}"
+                for i, (identity, h) in enumerate(everyone)
             )
             raise StartupError(
                 f"pipeline stages disagree on the subspace ({stages}); every node must run "
                 "the same [model] and [protocol] settings"
             )
-
-    def _protocol_identity(self) -> tuple:
-        protocol, model = self.config.protocol, self.config.model
-        return (protocol.mode, protocol.k, protocol.seed, model.dim)
 
     def state_dict(self) -> dict[str, Any]:
         """TorchTitan's train state plus the subspace's: a sha256 of F (regenerated from the
@@ -200,3 +196,14 @@ def _digest(model: torch.nn.Module, names: tuple[str, ...]) -> bytes:
         if buffer is not None:
             digest.update(buffer.detach().cpu().float().contiguous().numpy().tobytes())
     return digest.digest()
+
+
+def protocol_identity(config: ProtocolTrainer.Config) -> str:
+    """What every pipeline stage must share to decode its neighbours' messages, as the text a
+    mismatch error shows: the subspace (mode, k, seed, width) and, in a lossy mode, the codec
+    settings (they fix the payload shapes and the backward)."""
+    protocol = config.protocol
+    identity = f"mode={protocol.mode}, k={protocol.k}, seed={protocol.seed}, dim={config.model.dim}"
+    if protocol.mode in LOSSY_MODES:
+        identity += f", codec {config.codec}"
+    return identity

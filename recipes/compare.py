@@ -255,8 +255,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "compare")
-    parser.add_argument("--render-only", action="store_true",
-                        help="table and plots from an existing results.json (no runs)")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="table and plots from an existing results.json (no runs)",
+    )
     parser.add_argument("--cached-only", action="store_true",
                         help="report only the runs already finished in the cache")  # fmt: skip
     args = parser.parse_args()

@@ -14,6 +14,7 @@ from conftest import TINY, torchrun
 from protocol_models import subspace
 from protocol_models.codecs import CodecSettings, apply_boundary, build_codec
 from protocol_models.config import ConfigError, load_config
+from protocol_models.trainer import protocol_identity
 
 SHAPE = torch.Size([2, 16, 64])  # mb, seq, d
 TOKENS, D = 32, 64
@@ -166,6 +167,20 @@ def test_codec_config_errors_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(str(TINY), overrides, check_environment=False)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_stages_must_agree_on_the_codec_in_lossy_modes():
+    """The start-up check compares ``protocol_identity`` across stages (tested with processes
+    in test_bad_input): in a lossy mode it must include the codec settings, which fix the
+    payload shapes; in subspace mode the unused [codec] table must not matter."""
+
+    def identity(*over: str) -> str:
+        return protocol_identity(load_config(str(TINY), list(over), check_environment=False))
+
+    topk = ["--protocol.mode", "topk"]
+    assert identity(*topk, "--codec.topk", "5") != identity(*topk, "--codec.topk", "6")
+    assert "topk=5" in identity(*topk, "--codec.topk", "5")
+    assert identity("--codec.topk", "5") == identity("--codec.topk", "6")
 
 
 @pytest.fixture(scope="module")

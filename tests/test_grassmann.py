@@ -122,9 +122,7 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "6", "--lr_scheduler.tot
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw_rowwise"])
-def test_updates_in_a_pipeline_keep_the_boundary_exact_and_resume_bit_exactly(
-    tmp_path, optimizer
-):
+def test_updates_in_a_pipeline_keep_the_boundary_exact_and_resume_bit_exactly(tmp_path, optimizer):
     """2 stages, updates at steps 4, 8 and 12; then the run is resumed from its step-6
     checkpoint (mid-window, with the update of step 8 ahead) and must replay steps 7..12 bit for
     bit."""
