@@ -155,6 +155,13 @@ def wall_seconds(folder: Path) -> float:
     return (last - first).total_seconds()
 
 
+def repo_relative(path: Path) -> str:
+    """``path`` as recorded in results files: relative to the repository when inside it, so
+    results written by different clones compare."""
+    path = path.resolve()
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []

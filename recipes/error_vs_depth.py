@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from common import repo_relative
 
 from protocol_models import subspace
 from protocol_models.codecs import CodecSettings, build_codec
@@ -62,7 +63,7 @@ def load_model(toml: Path, overrides: list[str], folder: Path) -> tuple[torch.nn
     model.load_state_dict(state, strict=False)
     model.eval()
     info = {
-        "checkpoint": str(checkpoint),
+        "checkpoint": repo_relative(checkpoint),
         "microbatch": config.parallelism.pipeline_parallel_microbatch_size,
         "seq_len": config.training.seq_len,
         "stages": stages,
