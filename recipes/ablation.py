@@ -26,7 +26,14 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import REPO, read_jsonl, train_cached, validation_curve, wall_seconds
+from common import (
+    REPO,
+    read_jsonl,
+    repo_relative,
+    train_cached,
+    validation_curve,
+    wall_seconds,
+)
 
 OPTIMIZERS = ["adamw", "adamw_rowwise", "muon", "adamw_project"]
 TWIN = {"adamw": "adamw", "adamw_rowwise": "adamw_rowwise", "muon": "muon",
@@ -68,7 +75,7 @@ def collect(mode: str, optimizer: str, updates: bool, seed: int) -> dict:
         "final_val_loss": curve[-1][1],
         "final_train_loss": records[-1]["loss"],
         "wall_s": wall_seconds(folder),
-        "folder": str(folder.relative_to(REPO)),
+        "folder": repo_relative(folder),
     }
 
 

@@ -133,10 +133,12 @@ def run_all(arms: list[dict], toml: Path, quick_over: list[str], cached_only: bo
     for (a, seed), folder in zip(jobs, folders, strict=True):
         if folder is None:
             continue
-        entry = results.setdefault(a["name"], {
-            "ratio_group": a["ratio"], "mode": a["mode"],
-            "bytes_per_step": wire_bytes(toml, [*quick_over, *overrides(a, seed)]), "seeds": {},
-        })  # fmt: skip
+        if a["name"] not in results:  # bytes do not depend on the seed: measured once per arm
+            results[a["name"]] = {
+                "ratio_group": a["ratio"], "mode": a["mode"],
+                "bytes_per_step": wire_bytes(toml, [*quick_over, *overrides(a, seed)]), "seeds": {},
+            }  # fmt: skip
+        entry = results[a["name"]]
         train = read_jsonl(folder / "metrics.jsonl")
         entry["seeds"][str(seed)] = {
             "run": repo_relative(folder),
@@ -257,11 +259,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "compare")
-    parser.add_argument(
-        "--render-only",
-        action="store_true",
-        help="table and plots from an existing results.json (no runs)",
-    )
+    parser.add_argument("--render-only", action="store_true",
+                        help="table and plots from an existing results.json (no runs)")  # fmt: skip
     parser.add_argument("--cached-only", action="store_true",
                         help="report only the runs already finished in the cache")  # fmt: skip
     args = parser.parse_args()
