@@ -30,6 +30,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from protocol_models.errors import ConfigError
+from protocol_models.model import stage_layer_ranges
 from protocol_models.optimizers import OptimizerSettings
 from protocol_models.pipeline import SCHEDULES
 from protocol_models.trainer import ProtocolTrainer, ProtocolValidator
@@ -302,6 +303,10 @@ def validate(config: ProtocolTrainer.Config) -> None:
     _check(model.dim >= 1, f"model.dim = {model.dim}: must be >= 1")
     _check(model.n_layers >= 1, f"model.n_layers = {model.n_layers}: must be >= 1")
     _check(
+        model.loss_chunk_tokens >= 0,
+        f"model.loss_chunk_tokens = {model.loss_chunk_tokens}: must be >= 0 (0 = full logits)",
+    )
+    _check(
         model.n_heads >= 1 and model.dim % model.n_heads == 0,
         f"model.n_heads = {model.n_heads}: must divide model.dim = {model.dim}",
     )
@@ -359,6 +364,8 @@ def validate(config: ProtocolTrainer.Config) -> None:
             f"protocol.stages = {protocol.stages}: must equal "
             f"parallelism.pipeline_parallel_degree = {pp} when the run is pipelined",
         )
+    if protocol.layers_per_stage is not None:
+        stage_layer_ranges(model.n_layers, config.layout_stages, protocol.layers_per_stage)
     if pp > 1:
         _check(
             par.pipeline_parallel_schedule in SCHEDULES,
@@ -428,8 +435,9 @@ def _validate_codec(config: ProtocolTrainer.Config) -> None:
 
 def validate_environment(config: ProtocolTrainer.Config) -> None:
     """Checks against the file system: data, tokenizer, dump folder, checkpoint to resume."""
-    from protocol_models import data
+    from protocol_models import DEVICE_TYPE, cpu_shim, data
 
+    cpu_shim.check_device(config.hardware.device, DEVICE_TYPE)
     data.register_datasets()
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
@@ -568,9 +576,9 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check a config. On success print ``nproc=<N>`` (processes the run needs) and
-    ``bundled_data=<0|1>`` (whether it reads the bundled Shakespeare data); on failure print one
-    ``error:`` line to stderr and return 2."""
+    """Check a config. On success print ``nproc=<N>`` (processes the run needs),
+    ``device=<cuda|cpu>`` and ``bundled_data=<0|1>`` (whether it reads the bundled Shakespeare
+    data); on failure print one ``error:`` line to stderr and return 2."""
     toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(toml_path, overrides)
@@ -578,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"nproc={world_size(config)}")
+    print(f"device={config.hardware.device}")
     datasets = {config.dataloader.dataset, config.validator.dataloader.dataset}
     print(f"bundled_data={int(any(d.startswith('shakespeare') for d in datasets))}")
     return 0

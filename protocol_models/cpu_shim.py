@@ -5,7 +5,12 @@ TorchTitan 0.3.0 resolves ``device_type``/``device_module`` once, at import time
 modules then re-export those names. This shim must therefore run before any other torchtitan
 import: it imports ``torchtitan.tools.utils`` alone, and if no accelerator is present rebinds the
 two names to ``"cpu"`` and a small stand-in for ``torch.cuda``'s device-module interface. With an
-accelerator present it does nothing.
+accelerator present it does nothing (unless ``PROTOCOL_MODELS_DEVICE=cpu``).
+
+Binding is not permission: ``check_device`` (run by the config check, before any worker, and in
+every worker) refuses to train on the CPU unless the config says ``[hardware] device = "cpu"``,
+so a GPU node whose CUDA is broken stops with the driver's own reason instead of quietly
+training on CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import types
 
 import torch
 
+from protocol_models.errors import ConfigError
+
 _PATCHED_AFTER = "torchtitan.trainer"
+DEVICE_ENV = "PROTOCOL_MODELS_DEVICE"
 
 
 def _peak_rss_stats(device=None) -> dict[str, int]:
@@ -46,11 +54,13 @@ def _cpu_device_module() -> types.SimpleNamespace:
 
 
 def install() -> str:
-    """Make TorchTitan target the CPU when no accelerator exists; return the device type.
+    """Make TorchTitan target the CPU when no accelerator exists, or when the environment says
+    ``PROTOCOL_MODELS_DEVICE=cpu`` (``scripts/train.sh`` sets it for ``[hardware] device =
+    "cpu"``); return the device type. Whether the run may use it is ``check_device``'s call.
 
     Raises if TorchTitan modules that captured the old device binding are already imported.
     """
-    if torch.accelerator.is_available():
+    if torch.accelerator.is_available() and os.environ.get(DEVICE_ENV) != "cpu":
         return torch.accelerator.current_accelerator().type
     if _PATCHED_AFTER in sys.modules:
         raise RuntimeError(
@@ -61,3 +71,38 @@ def install() -> str:
     titan_utils.device_type = "cpu"
     titan_utils.device_module = _cpu_device_module()
     return "cpu"
+
+
+def check_device(requested: str, bound: str) -> None:
+    """Refuse a run whose ``[hardware] device`` (``requested``) is not the device TorchTitan
+    was bound to at import (``bound``), with one line naming the cause and the fix."""
+    if requested == bound:
+        return
+    if requested == "cpu":
+        raise ConfigError(
+            f"hardware.device = 'cpu', but this process bound TorchTitan to {bound!r}: launch "
+            f"with scripts/train.sh, or set {DEVICE_ENV}=cpu in the workers' environment"
+        )
+    raise ConfigError(
+        f"hardware.device = {requested!r}, but {_cuda_problem()}; fix that, or set "
+        "hardware.device = 'cpu' to train on the CPU on purpose"
+    )
+
+
+def _cuda_problem() -> str:
+    """Why CUDA is unusable here, in one clause."""
+    if os.environ.get(DEVICE_ENV) == "cpu":
+        return f"{DEVICE_ENV}=cpu is set in the environment"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA (install its CUDA wheel)"
+    try:
+        torch.cuda.init()
+    except Exception as e:  # the driver's own words: missing, too old, no device
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    else:
+        cause = "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)"
+    return (
+        f"CUDA is unusable: {cause} (torch {torch.__version__} is built for CUDA "
+        f"{torch.version.cuda}: its driver must support that version -- check nvidia-smi, "
+        "update the driver, or install the torch wheel built for your driver's CUDA)"
+    )

@@ -69,7 +69,9 @@ def largest_angle_deg(old: torch.Tensor, new: torch.Tensor) -> float:
 def orthonormality(basis: torch.Tensor) -> float:
     """``max |U^T U - I|``."""
     u = basis.double()
-    return float((u.T @ u - torch.eye(u.shape[1], dtype=torch.float64)).abs().max())
+    return float(
+        (u.T @ u - torch.eye(u.shape[1], dtype=torch.float64, device=u.device)).abs().max()
+    )
 
 
 def euclidean_grad(model: ProtocolModel) -> torch.Tensor:

@@ -11,8 +11,9 @@ The model is ProtocolNanoGPT's (METHOD §8.1), receiver-side and schedule-agnost
 * time really passes: the receiving stage sleeps until the message is available, so step time and
   tokens/s are measured, not computed. Validation (eval mode) runs with the link off.
 
-Stamps use ``time.time()``; across machines that assumes synchronized clocks (NTP). The simulator
-is meant for single-machine benchmarks of a slow-link deployment.
+Stamps use ``time.time()``, taken after the sending device is synchronized; across machines that
+assumes synchronized clocks (NTP). The simulator is meant for single-machine benchmarks of a
+slow-link deployment.
 """
 
 from __future__ import annotations
@@ -94,8 +95,15 @@ class SimulatedLink:
 
     @staticmethod
     def stamp_op(data_op: dist.P2POp) -> dist.P2POp:
-        """The unbilled 8-byte send of the sender's clock, to the data message's peer."""
-        stamp = torch.tensor([time.time()], dtype=torch.float64, device=data_op.tensor.device)
+        """The unbilled 8-byte send of the sender's clock, to the data message's peer.
+
+        On an accelerator the data is produced asynchronously: the device is synchronized
+        first, so the stamp is the time the message is ready to leave, not the (earlier) time
+        its kernels were queued. (The simulator exists for benchmarks; the sync is its cost.)"""
+        tensor = data_op.tensor
+        if tensor.device.type != "cpu":
+            torch.accelerator.synchronize(tensor.device)
+        stamp = torch.tensor([time.time()], dtype=torch.float64, device=tensor.device)
         return dist.P2POp(dist.isend, stamp, data_op.peer, data_op.group)
 
     def expect_op(
@@ -113,7 +121,7 @@ class SimulatedLink:
         if (direction, chunk) not in self._pending:
             return
         boundary, nbytes, stamp = self._pending.pop((direction, chunk))
-        sent_at = float(stamp.item())
+        sent_at = float(stamp.item())  # the receiver sleeps on the host: one read per message
         start = max(self.wire_free, sent_at)
         transfer = self.settings.transfer_s(boundary, nbytes)
         self.wire_free = start + transfer

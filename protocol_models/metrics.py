@@ -24,6 +24,7 @@ from torchtitan.components.metrics import (
     MetricsProcessor,
     WandBLogger,
 )
+from torchtitan.tools.utils import device_module, get_local_device
 
 from protocol_models.link import SimulatedLink
 from protocol_models.stage import WireMeter
@@ -157,26 +158,37 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         group = self._pp_group()
         if group is None:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=get_local_device())
         dist.broadcast(t, group=group, group_src=dist.get_world_size(group) - 1)
         return t.tolist()
 
     def _wire_metrics(self) -> dict[str, float]:
-        """Per-step totals and per-boundary bytes (``wire/fwd_bytes/b0`` is boundary 0 -> 1)."""
+        """Per-step totals and per-boundary bytes (``wire/fwd_bytes/b0`` is boundary 0 -> 1),
+        the max leak over boundaries, the link's counters and each stage's peak memory, agreed
+        over the pipeline group in two collectives on the training device (log steps only)."""
         meter, group = self.wire_meter, self._pp_group()
         if meter is None or group is None:
             return {}
-        boundaries = range(self.parallel_dims.pp - 1)
-        counts = torch.tensor(
-            [[float(c[b]) for b in boundaries] for c in (meter.fwd, meter.bwd, meter.dense)],
-            dtype=torch.float64,
-        )
-        dist.all_reduce(counts, group=group)
+        device = get_local_device()
+        n_stages = self.parallel_dims.pp
+        boundaries = range(n_stages - 1)
+        counts = [[float(c[b]) for b in boundaries] for c in (meter.fwd, meter.bwd, meter.dense)]
+        link = [self.link.wait_s, self.link.wire_s] if self.link is not None else [0.0, 0.0]
+        sums = torch.tensor([value for row in counts for value in row] + link,
+                            dtype=torch.float64, device=device)  # fmt: skip
+        dist.all_reduce(sums, group=group)
         leaks = [m.pop_boundary_leak() for m in self.model_parts or []]
-        leak = torch.tensor([max((v for v in leaks if v is not None), default=-1.0)])
-        dist.all_reduce(leak, op=dist.ReduceOp.MAX, group=group)
+        leaks = [v.detach().reshape(()).to(device, torch.float64) for v in leaks if v is not None]
+        peak = torch.zeros(n_stages, dtype=torch.float64, device=device)
+        peak[dist.get_group_rank(group, dist.get_rank())] = _peak_memory_bytes()
+        no_leak = torch.full((1,), -1.0, dtype=torch.float64, device=device)
+        maxima = torch.cat([torch.stack(leaks).max().reshape(1) if leaks else no_leak, peak])
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
 
-        fwd, bwd, dense = (float(v) for v in counts.sum(dim=1))
+        sums, maxima = sums.tolist(), maxima.tolist()
+        width = len(boundaries)
+        fwd_b, bwd_b, dense_b = (sums[i * width : (i + 1) * width] for i in range(3))
+        fwd, bwd, dense = sum(fwd_b), sum(bwd_b), sum(dense_b)
         metrics = {
             "wire/fwd_bytes": fwd,
             "wire/bwd_bytes": bwd,
@@ -184,19 +196,22 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             "wire/compression_ratio": dense / (fwd + bwd) if fwd + bwd else 0.0,
         }
         for b in boundaries:
-            fwd_b, bwd_b, dense_b = (float(counts[i, b]) for i in range(3))
-            metrics[f"wire/fwd_bytes/b{b}"] = fwd_b
-            metrics[f"wire/bwd_bytes/b{b}"] = bwd_b
-            metrics[f"wire/compression_ratio/b{b}"] = (
-                dense_b / (fwd_b + bwd_b) if fwd_b + bwd_b else 0.0
-            )
-        if leak.item() >= 0:
-            metrics["subspace/leak"] = leak.item()
+            metrics[f"wire/fwd_bytes/b{b}"] = fwd_b[b]
+            metrics[f"wire/bwd_bytes/b{b}"] = bwd_b[b]
+            sent = fwd_b[b] + bwd_b[b]
+            metrics[f"wire/compression_ratio/b{b}"] = dense_b[b] / sent if sent else 0.0
+        if maxima[0] >= 0:
+            metrics["subspace/leak"] = maxima[0]
+        for s, value in enumerate(maxima[1:]):
+            metrics[f"memory/peak_gib/s{s}"] = value / 1024**3
         if self.link is not None:
-            wan = torch.tensor([self.link.wait_s, self.link.wire_s], dtype=torch.float64)
-            dist.all_reduce(wan, group=group)
-            metrics["wan/wait_s"], metrics["wan/wire_s"] = wan.tolist()
+            metrics["wan/wait_s"], metrics["wan/wire_s"] = sums[-2:]
         return metrics
+
+
+def _peak_memory_bytes() -> float:
+    """This rank's peak reserved device memory since TorchTitan's last reset (at each log)."""
+    return float(device_module.memory_stats().get("reserved_bytes.all.peak", 0))
 
 
 def _metrics_rank(parallel_dims) -> int:

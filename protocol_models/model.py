@@ -24,6 +24,8 @@ mode the same recipe builds the unconstrained twin: stock llama3 blocks and a ``
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -57,7 +59,8 @@ from protocol_models.codecs import (
     apply_boundary,
     build_codec,
 )
-from protocol_models.errors import UserError
+from protocol_models.errors import ConfigError, UserError
+from protocol_models.loss import chunked_cross_entropy
 
 Mode = Literal["subspace", "dense", "topk", "quant", "lowrank", "svd"]
 Parametrization = Literal["factor", "full"]
@@ -82,6 +85,10 @@ class ModelArch:
     attention: Attention = "sdpa"
     """``sdpa`` (causal, CPU friendly), or ``flex``/``varlen`` (per-document masks, GPU)."""
     init_std: float = 0.02
+    loss_chunk_tokens: int = 0
+    """The last stage computes the loss this many tokens at a time and never holds the full
+    logits ``[mb, seq, V]``; the backward recomputes each chunk's (``protocol_models.loss``).
+    0: TorchTitan's stock head and ``CrossEntropyLoss`` on the full logits."""
 
     @property
     def hidden_dim(self) -> int:
@@ -116,19 +123,38 @@ class ProtocolSettings:
     """Largest principal angle between U and U' at each update (a normalized geodesic step)."""
     parametrization: Parametrization = "factor"
     """Set from ``[optimizer] name`` (not a TOML key): ``full`` for adamw_rowwise/adamw_project."""
+    layers_per_stage: list[int] | None = None
+    """Blocks per pipeline stage, in stage order (default: near-equal, earlier stages take the
+    remainder). One entry per stage of the layout, each >= 1, summing to ``model.n_layers``.
+    The last stage also holds the final norm and the LM head, so a balanced split usually gives
+    it fewer blocks (``python -m protocol_models.plan --propose-split``)."""
 
 
-def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
-    """Split ``n_layers`` blocks into ``n_stages`` contiguous, near-equal ranges (earlier stages
-    take the remainder). Used by the model (to know which blocks are constrained) and by the
-    pipeline split, so the two always agree."""
-    base, extra = divmod(n_layers, n_stages)
-    ranges, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
+def stage_layer_ranges(
+    n_layers: int, n_stages: int, layers_per_stage: Sequence[int] | None = None
+) -> list[range]:
+    """The contiguous block ids of each of ``n_stages`` pipeline stages.
+
+    ``layers_per_stage`` (``[protocol] layers_per_stage``): block counts per stage, each >= 1
+    (a head-only last stage would put every block upstream of a boundary, so the LM head would
+    read ``F[ids] + U c``: a rank-k bottleneck on the whole model's output), summing to
+    ``n_layers``. ``None``: near-equal ranges, earlier stages take the remainder. The model (which
+    blocks are constrained), the pipeline split and the planner all call this, so they agree.
+    """
+    if layers_per_stage is None:
+        base, extra = divmod(n_layers, n_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    else:
+        sizes = list(layers_per_stage)
+        key = f"protocol.layers_per_stage = {sizes}"
+        if len(sizes) != n_stages:
+            raise ConfigError(f"{key}: expected {n_stages} entries, one per pipeline stage")
+        if min(sizes) < 1:
+            raise ConfigError(f"{key}: every stage needs at least one block")
+        if sum(sizes) != n_layers:
+            raise ConfigError(f"{key}: sums to {sum(sizes)}, expected model.n_layers = {n_layers}")
+    starts = itertools.accumulate(sizes, initial=0)
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=False)]
 
 
 class ProtocolBlock(Llama3TransformerBlock):
@@ -198,6 +224,12 @@ class ProtocolModel(Llama3Model):
         codec_microbatch: int = 1
         """Sequences per pipeline microbatch: the in-graph codec encodes the batch in groups of
         this size, as the pipelined stage does (matters for ``svd``)."""
+        layers_per_stage: list[int] | None = None
+        """Blocks per pipeline stage (``ProtocolSettings.layers_per_stage``; None: near-equal):
+        the split ``split_stage`` cuts, via ``stage_layer_ranges``."""
+        loss_chunk_tokens: int = 0
+        """> 0: the last stage takes ``labels`` and returns the summed cross-entropy, computed
+        this many tokens at a time (``ModelArch.loss_chunk_tokens``)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -210,18 +242,28 @@ class ProtocolModel(Llama3Model):
                 torch.empty(config.vocab_size, config.dim, dtype=_DTYPES[config.table_dtype]),
                 persistent=False,
             )
+        self.table_sha256 = b""
+        """sha256 of ``F`` as generated (``subspace.generate``); b"" in dense mode."""
         self.boundary_leak: torch.Tensor | None = None
         """Max ``subspace.leak`` seen at this stage's outgoing boundary since the last reset."""
+        self.measure_leak = True
+        """Whether the forward measures the leak (three fp32 ``[mb, seq, d]`` temporaries per
+        microbatch); the trainer turns it on for log steps only."""
 
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
         if not self.subspace:
             return
         device = buffer_device or self.basis.device
-        basis, table = subspace.make_basis_and_table(
-            self.config.subspace_seed, self.config.dim, self.config.k, self.config.vocab_size
+        basis, table, self.table_sha256 = subspace.generate(
+            self.config.subspace_seed,
+            self.config.dim,
+            self.config.k,
+            self.config.vocab_size,
+            device=device,
+            table_dtype=_DTYPES[self.config.table_dtype],
         )
-        self.basis = basis.to(device).requires_grad_(self.config.track_basis_grad)
-        self.token_table = table.to(device=device, dtype=_DTYPES[self.config.table_dtype])
+        self.basis = basis.requires_grad_(self.config.track_basis_grad)
+        self.token_table = table
 
     def init_states(self, *, buffer_device: torch.device | None = None) -> None:
         """TorchTitan's init, then (``full`` parametrization) every constrained weight is
@@ -253,9 +295,14 @@ class ProtocolModel(Llama3Model):
         positions: torch.Tensor | None = None,
         attention_masks=None,
         token_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``inputs``: token ids ``[mb, seq]`` on the first stage, else the received boundary
-        tensor. ``token_ids`` ``[mb, seq]``: the same ids on every stage (never sent)."""
+        tensor. ``token_ids`` ``[mb, seq]``: the same ids on every stage (never sent).
+
+        The last stage returns the logits ``[mb, seq, V]``, or with ``loss_chunk_tokens`` the
+        fp32 cross-entropy summed over the tokens of ``labels`` ``[mb, seq]`` that are not
+        ``IGNORE_INDEX`` (``protocol_models.loss.chunked_cross_entropy``)."""
         ids = inputs if self.tok_embeddings is not None else token_ids
         h = self._stream_in(inputs, ids)
         basis = self.basis if self.factored else None
@@ -267,7 +314,25 @@ class ProtocolModel(Llama3Model):
                 h = torch.cat([apply_boundary(part, codec) for part in parts])
         if self.norm is None:
             return self._stream_out(h, ids)
+        if self.config.loss_chunk_tokens:
+            return self._chunked_loss(h, labels)
         return self.lm_head(self.norm(h))
+
+    def _chunked_loss(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The summed loss of the last stage's stream ``h`` ``[mb, seq, d]`` against ``labels``.
+
+        The head weight is read, not called: the final norm and the head are one FSDP unit
+        (TorchTitan's ``apply_fsdp_to_decoder``, applied at every data-parallel degree), so the
+        norm's forward has unsharded both, and ``lm_head.weight`` is the unsharded parameter in
+        the compute dtype. FSDP completes the unit's forward for the head that did not run, and
+        the gradient the loss returns for that parameter is what FSDP reduces after the
+        backward, as for the stock head's."""
+        if labels is None:
+            raise ValueError("model.loss_chunk_tokens > 0: the last stage needs `labels`")
+        normed = self.norm(h)
+        return chunked_cross_entropy(
+            normed, self.lm_head.weight, labels, self.config.loss_chunk_tokens
+        )
 
     def _boundary_codec(self) -> Codec:
         """The lossy codec of the in-graph boundaries (built on first use)."""
@@ -277,13 +342,18 @@ class ProtocolModel(Llama3Model):
         return self._codec
 
     def _stream_in(self, inputs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``[mb, seq, d]`` entering this stage, in the compute dtype.
+
+        First stage: the embedding's output dtype is the compute dtype (bf16 under FSDP mixed
+        precision, whose policy casts parameters but not the fp32 buffers ``U``/``F``); the
+        start ``F[ids] + E[ids] (@ U^T)`` is summed in fp32 and cast to it once. Other stages:
+        the received tensor's dtype, which is what the previous stage computed in."""
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(inputs)
-            if self.factored:
-                h = h.float() @ self.basis.T
-            if self.subspace:
-                h = (self.token_table[inputs].float() + h.float()).to(h.dtype)
-            return h
+            if not self.subspace:
+                return h
+            lifted = h.float() @ self.basis.T if self.factored else h.float()
+            return (self.token_table[inputs].float() + lifted).to(h.dtype)
         if self.subspace:
             return subspace.decode(inputs, ids, self.basis.detach(), self.token_table)
         return inputs
@@ -292,18 +362,20 @@ class ProtocolModel(Llama3Model):
         if not self.subspace:
             return h
         basis = self.basis.detach()
-        stage_leak = subspace.leak(h, ids, basis, self.token_table)
-        self.boundary_leak = (
-            stage_leak
-            if self.boundary_leak is None
-            else torch.maximum(self.boundary_leak, stage_leak)
-        )
+        if self.measure_leak:
+            stage_leak = subspace.leak(h, ids, basis, self.token_table)
+            self.boundary_leak = (
+                stage_leak
+                if self.boundary_leak is None
+                else torch.maximum(self.boundary_leak, stage_leak)
+            )
         return subspace.encode(h, ids, basis, self.token_table)
 
-    def pop_boundary_leak(self) -> float | None:
-        """Return and reset the max leak recorded since the last call (None: no boundary)."""
+    def pop_boundary_leak(self) -> torch.Tensor | None:
+        """Return and reset the max leak (a 0-d device tensor) recorded since the last call
+        (None: no boundary, or not measured)."""
         value, self.boundary_leak = self.boundary_leak, None
-        return None if value is None else float(value)
+        return value
 
 
 def local_matrix(t: torch.Tensor) -> torch.Tensor:
@@ -351,7 +423,8 @@ def build_model_config(
     codec: CodecSettings | None = None,
     microbatch: int = 1,
 ):
-    """A ``ProtocolModel.Config`` for ``arch`` laid out over ``n_stages`` pipeline stages.
+    """A ``ProtocolModel.Config`` for ``arch`` laid out over ``n_stages`` pipeline stages
+    (``stage_layer_ranges`` with ``protocol.layers_per_stage``).
 
     In subspace mode every block outside the last stage's range is constrained, and the token
     embedding is ``V x k``; the last stage's blocks are stock. With ``n_stages == 1`` nothing is
@@ -361,7 +434,7 @@ def build_model_config(
     """
     subspace_mode = protocol.mode == "subspace" and n_stages > 1
     factored = subspace_mode and protocol.parametrization == "factor"
-    ranges = stage_layer_ranges(arch.n_layers, n_stages)
+    ranges = stage_layer_ranges(arch.n_layers, n_stages, protocol.layers_per_stage)
     last_stage = ranges[-1]
     lossy = protocol.mode in LOSSY_MODES
     hidden = arch.hidden_dim
@@ -405,10 +478,12 @@ def build_model_config(
     return ProtocolModel.Config(
         dim=arch.dim,
         vocab_size=arch.vocab_size,
+        loss_chunk_tokens=arch.loss_chunk_tokens,
         mode=protocol.mode if lossy else ("subspace" if subspace_mode else "dense"),
         codec=codec or CodecSettings(),
         codec_after=[r[-1] for r in ranges[:-1]] if lossy else [],
         codec_microbatch=microbatch,
+        layers_per_stage=protocol.layers_per_stage,
         k=protocol.k,
         subspace_seed=protocol.seed,
         table_dtype=protocol.table_dtype,

@@ -25,9 +25,11 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import get_local_device
 
 from protocol_models.errors import NonFiniteError
 from protocol_models.model import local_matrix, project_
@@ -234,12 +236,22 @@ class GuardedOptimizers(OptimizersContainer):
         return None
 
     def _gradients_finite(self) -> bool:
-        grads = [p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None]
-        local = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else None
-        flag = torch.tensor([1.0 if local is None or bool(local) else 0.0])
+        """Whether every gradient of every rank is finite: each rank checks its local shards
+        (no per-parameter collective), then one all-reduce of one flag on the training device
+        and one host read per step."""
+        grads = [
+            g.to_local() if isinstance(g, DTensor) else g
+            for m in self.model_parts
+            for p in m.parameters()
+            if (g := p.grad) is not None
+        ]
+        if not grads:
+            flag = torch.ones((), device=get_local_device())
+        else:
+            flag = torch.stack([torch.isfinite(g).all() for g in grads]).all().float()
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return bool(flag)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -253,7 +265,8 @@ class OptimizerSettings:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
+    """AdamW kernels; ``auto``: ``fused`` on an accelerator, ``foreach`` on CPU."""
     skip_nonfinite_steps: int = 0
     """Non-finite steps to skip before the run stops (0: stop at the first)."""
     muon_lr: float = 0.02
@@ -264,6 +277,13 @@ class OptimizerSettings:
     def parametrization(self) -> str:
         """The writer parametrization this optimizer trains (``protocol_models.model``)."""
         return "full" if self.name in ("adamw_rowwise", "adamw_project") else "factor"
+
+    def _resolved_implementation(self) -> str:
+        if self.implementation != "auto":
+            return self.implementation
+        from protocol_models import DEVICE_TYPE
+
+        return "foreach" if DEVICE_TYPE == "cpu" else "fused"
 
     def to_container_config(self) -> GuardedOptimizers.Config:
         kwargs = {
@@ -291,6 +311,6 @@ class OptimizerSettings:
             )
         return GuardedOptimizers.Config(
             param_groups=groups,
-            implementation=self.implementation,
+            implementation=self._resolved_implementation(),
             skip_nonfinite_steps=self.skip_nonfinite_steps,
         )

@@ -12,6 +12,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.pipelining.microbatch import sum_reducer
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from protocol_models.codecs import Codec
@@ -25,11 +26,14 @@ SCHEDULES = ("GPipe", "1F1B")
 def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """A deep copy of ``model`` holding only what ``stage`` runs; everything else set to None.
 
+    The blocks are the ones ``stage_layer_ranges`` gives ``stage`` under the split the model was
+    built for (``model.config.layers_per_stage``), so they are the ones the model constrained.
     Root buffers (``basis``, ``token_table``) are kept on every stage. Layer keys keep their
     global ids, so checkpoints of any layout share parameter names.
     """
     chunk = copy.deepcopy(model)
-    keep = {str(i) for i in stage_layer_ranges(len(chunk.layers), n_stages)[stage]}
+    ranges = stage_layer_ranges(len(chunk.layers), n_stages, chunk.config.layers_per_stage)
+    keep = {str(i) for i in ranges[stage]}
     for name in [n for n in chunk.layers.keys() if n not in keep]:
         del chunk.layers[name]
     if stage != 0:
@@ -91,5 +95,8 @@ def pipeline_protocol(
         n_microbatches=training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
         loss_fn=scalar_loss,
         scale_grads=False,
+        # with loss_chunk_tokens the last stage outputs each microbatch's summed loss (a scalar):
+        # the outputs a schedule returns (the Validator's eval) are their sum, not a concatenation
+        output_merge_spec=sum_reducer if model_config.loss_chunk_tokens else None,
     )
     return schedule, [chunk], stage.is_first, stage.is_last

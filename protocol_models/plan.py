@@ -1,142 +1,374 @@
 """Dry-run planner: check a layout before paying for GPUs.
 
-    python -m protocol_models.plan --toml FILE [--bandwidth-mbps B] [--latency-ms L] [overrides]
+    python -m protocol_models.plan --toml FILE [--bandwidth-mbps B] [--latency-ms L] [--mfu F]
+        [--propose-split] [overrides]
 
 Builds the model on the meta device (no weights, no GPU), splits it into the configured pipeline
-stages exactly as a run would, and prints per stage: parameters, a memory estimate, whether it
-fits ``[hardware] gpu_memory_gib``, the wire bytes per step at each boundary (dense vs the
-configured mode) and the wire lower bound on step time at the given link. Exits 1 if a stage
-does not fit, 2 on a bad config.
+stages exactly as a run would (``stage_layer_ranges``, ``[protocol] layers_per_stage``), and
+prints per stage: parameters, the memory terms below, whether the stage fits ``[hardware]
+usable_memory_gib``, its FLOPs and compute time per step; then the wire bytes per boundary and the
+predicted step time and tokens/s of the configured model next to its twin (dense for a subspace or
+lossy mode, subspace for dense) on the same layout and link; and a balanced ``layers_per_stage``
+(``--propose-split``, or unasked when it beats the configured split by 5% or fits where it does
+not). Exits 1 if a stage does not fit, 2 on a bad config.
 
-Memory model (per GPU of a stage; FSDP shards over ``data_parallel_shard_degree``):
+Memory, bytes per GPU of stage ``s`` at the start of the backward (every in-flight microbatch's
+activations alive). ``P``: the stage's parameters; ``D``: ``data_parallel_shard_degree``; ``a``:
+bytes of ``mixed_precision_param`` (2 for bf16); ``T``: tokens per microbatch; ``M``: microbatches
+per step; ``n``: microbatches in flight (GPipe: ``M``; 1F1B: ``min(M, S - s)``); ``d``, ``kv``,
+``h``, ``H``, ``V``, ``k``: width, key/value width, SwiGLU width, heads, vocabulary, subspace rank.
 
-* parameters fp32 (4 B), gradients fp32 (4 B), AdamW moments (8 B): 16 B/param, sharded;
-* with bf16 mixed precision, one block's unsharded bf16 parameters (2 B/param) during compute;
-* activations per in-flight microbatch (GPipe keeps all of them until the backward):
-  without activation checkpointing ``a * (10 d + 4 h)`` bytes per token per block, ``a`` the
-  activation dtype's size (stream, norms, q/k/v, attention output, SwiGLU intermediates); with
-  full checkpointing only the block inputs ``a * d`` per token per block, plus one block's full
-  set for the recompute;
-  the last stage adds ``6 B`` per logit (bf16 logits and the fp32 log-softmax kept for the
-  backward);
-* the frozen token table F (``V x d`` in ``protocol.table_dtype``) and U (``d x k`` fp32);
-* 10% headroom for the allocator and communication buffers.
+* state ``16 P / D``: fp32 parameters and gradients, AdamW's two fp32 moments, FSDP-sharded
+  (an upper bound by ``4 P / D``: TorchTitan frees the sharded gradients between steps);
+* unsharded ``(a + 4) P``: TorchTitan applies FSDP at every degree (1 included) and under
+  pipeline parallelism does not reshard after the forward
+  (``get_fsdp_reshard_after_forward_policy``); the pipeline's backward keeps the parameters
+  unsharded and accumulates unsharded fp32 gradients until the last microbatch
+  (``backward_maybe_with_nosync``). So the stage's compute-dtype parameters and fp32 gradients
+  exist in full, whatever ``D`` and ``fsdp_reshard_after_forward`` are;
+* activations, per token of the ``n T`` in flight, per block: without checkpointing
+  ``a (7 d + 2 kv + 4 h) + 4 H`` (block input, attention-norm output, q, k, v, attention output
+  and its contiguous copy, residual, FFN-norm output, w1, w3 and SiLU outputs and their product;
+  the fp32 log-sum-exp per head); ``selective``: ``a (2 d + o) + 4 H`` (block input, attention
+  output, log-sum-exp, and ``o``, the output widths of the 1st, 3rd, ... matmul in execution
+  order wq, wk, wv, wo, [U lift], w1, w3, w2, [U lift]: TorchTitan saves every second one);
+  ``full``: ``a d`` (block input). Plus ``a w`` per token for the stage output kept for its
+  backward (``w``: k for a subspace boundary, else d) or, on the last stage, ``2 a d`` (final-norm
+  input and output); plus, with checkpointing, one block's uncheckpointed set for one microbatch
+  (the recompute);
+* logits, last stage: ``(a + 4) V`` per in-flight token (the logits the stage keeps and the fp32
+  log-softmax autograd saves) plus ``8 V T`` (one microbatch's fp32 gradients); with ``[model]
+  loss_chunk_tokens = N``: ``(a + 12) V min(N, T)`` (one chunk's logits, fp32 copy, log-softmax
+  and gradients) plus ``(4 + a) V d`` (the head gradient's fp32 accumulator and its cast);
+* F and U (subspace): ``V d`` in ``protocol.table_dtype`` and ``4 d k``;
+* CUDA context: 1 GiB (CUDA, cuBLAS and NCCL on the GPU before the first tensor).
 
-Wire model: each microbatch crosses each boundary once forward and once backward, ``mb x seq x
-width`` activations in the activation dtype. All data-parallel replicas of a boundary share the
-one inter-region link's bandwidth; each replica's messages pay the latency one after another
-(stop-and-wait, as in ``protocol_models.link``). The bound for the busiest receiving stage is
-``8 * bytes_in / bandwidth + messages_per_replica * latency``.
+A stage fits when ``1.10 x`` the sum is at most ``usable_memory_gib`` (the 10%: allocator
+fragmentation, communication buffers).
+
+Compute, FLOPs per step on one GPU of the stage, ``B = local_batch_size x seq_len`` tokens:
+``6 W B`` for ``W``, the weights of the stage's matmuls (its blocks' Linears and the LM head; the
+embedding is a lookup), plus ``12 L d seq B`` for the attention of its ``L`` blocks (QK^T and AV,
+forward and backward, without the causal half, as TorchTitan counts MFU), plus the recompute:
+``full`` repeats the blocks' forward (``2 W_blocks B + 4 L d seq B``), ``selective`` the matmuls
+it does not save (``2 W_recomputed B``). Not counted: norms, RoPE and the k-wide U lifts
+(< 0.2%), the lossy codecs. Seconds = FLOPs / (``--mfu`` x ``[hardware] peak_tflops``); the
+forward is ``2 W T + 4 L d seq T`` per microbatch, the backward the rest.
+
+Step time: GPipe runs every microbatch forward through the S stages and S - 1 links, then
+backward. A link is one more server of the pipeline, taking ``8 R m / bandwidth + latency`` per
+microbatch message of ``m`` bytes (the ``R`` data-parallel replicas of a boundary share the link;
+one replica's messages pay the latency one after another, as ``protocol_models.link`` simulates).
+A pass over servers with per-microbatch times ``t_i`` takes ``sum(t_i) + (M - 1) max(t_i)``:
+with no link and equal stages, ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
+Step = forward pass + backward pass (1F1B has the same bubble and is predicted alike). FSDP's
+collectives inside a region and the optimizer step are not counted.
+
+Proposed split: over the ``layers_per_stage`` whose every stage fits, the one with the smallest
+busiest-stage compute time per step (a stage's blocks are constrained unless it is the last;
+the first holds the embedding, the last the norm and LM head), then the smallest largest-stage
+memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from protocol_models.codecs import build_codec
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
 from protocol_models.model import build_model_config, stage_layer_ranges
 from protocol_models.pipeline import split_stage
 
 GIB = 1024**3
-HEADROOM = 1.10
+MARGIN = 1.10
+CUDA_CONTEXT = 1 * GIB
+UNBALANCED = 0.05
+"""Print a proposed split unasked when it cuts the busiest stage's compute time by this much."""
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One matmul of a block, ``[tokens, fan_in] x [fan_in, fan_out]``; ``weight``: False for
+    the U lifts (a frozen buffer, not a parameter)."""
+
+    fan_in: int
+    fan_out: int
+    weight: bool = True
 
 
 @dataclass
 class StagePlan:
+    """One pipeline stage: its blocks, parameters, memory terms (bytes per GPU, before the
+    margin) and FLOPs per microbatch on one GPU (backward including the recompute)."""
+
     stage: int
     layers: range
     params: int
     memory: dict[str, float]
+    fwd_flops: float
+    bwd_flops: float
 
     @property
     def total_bytes(self) -> float:
-        return sum(self.memory.values()) * HEADROOM
+        """What must fit ``usable_memory_gib``: the terms with the 10% margin."""
+        return sum(self.memory.values()) * MARGIN
 
 
-def analytical_param_count(arch, k: int | None, constrained_layers: set[int]) -> int:
-    """Closed-form parameter count of the Protocol LLaMA (``k=None``: dense)."""
+def block_matmuls(config, factored: bool) -> list[Matmul]:
+    """A block's matmuls in execution order; ``factored``: wo and w2 output k coordinates and
+    each branch is lifted by ``@ U.T``."""
+    arch, k = config.model, config.protocol.k
+    d, hidden = arch.dim, arch.hidden_dim
+    kv = (arch.n_kv_heads or arch.n_heads) * (d // arch.n_heads)
+    out = k if factored else d
+    lift = [Matmul(k, d, weight=False)] if factored else []
+    attention = [Matmul(d, d), Matmul(d, kv), Matmul(d, kv), Matmul(d, out)]
+    feed_forward = [Matmul(d, hidden), Matmul(d, hidden), Matmul(hidden, out)]
+    return attention + lift + feed_forward + lift
+
+
+def _factored_model(config) -> bool:
+    """Whether the model's upstream blocks and embedding are k-wide factors (as
+    ``build_model_config`` decides)."""
+    protocol = config.protocol
+    return (
+        protocol.mode == "subspace"
+        and config.layout_stages > 1
+        and protocol.parametrization == "factor"
+    )
+
+
+def stage_params(config, stage: int, n_blocks: int) -> int:
+    """Closed-form parameters of ``stage`` holding ``n_blocks`` blocks."""
+    arch = config.model
     d, v = arch.dim, arch.vocab_size
-    head_dim = d // arch.n_heads
-    kv = (arch.n_kv_heads or arch.n_heads) * head_dim
-    hidden = arch.hidden_dim
-    total = v * (k if k and constrained_layers else d) + d + d * v  # embedding, final norm, head
-    for layer in range(arch.n_layers):
-        out = k if k and layer in constrained_layers else d
-        attention = d * d + 2 * d * kv + d * out
-        feed_forward = 2 * d * hidden + hidden * out
-        total += attention + feed_forward + 2 * d
-    return total
+    last = stage == config.layout_stages - 1
+    factored = _factored_model(config)
+    matmuls = block_matmuls(config, factored and not last)
+    block = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
+    params = n_blocks * (block + 2 * d)  # + the two RMSNorm weights
+    if stage == 0:
+        params += v * (config.protocol.k if factored else d)
+    if last:
+        params += d + d * v  # final norm, LM head
+    return params
+
+
+def stage_cost(
+    config, stage: int, n_blocks: int, params: int
+) -> tuple[dict[str, float], float, float]:
+    """``(memory terms in bytes, forward FLOPs, backward FLOPs)`` per GPU of ``stage`` holding
+    ``n_blocks`` blocks and ``params`` parameters; FLOPs per microbatch of ``mb x seq`` tokens,
+    the backward's including the recompute (the module docstring has the formulas)."""
+    arch, protocol, par = config.model, config.protocol, config.parallelism
+    n_stages, last = config.layout_stages, stage == config.layout_stages - 1
+    a, n_mb, tokens = _microbatching(config)
+    d, v, heads, seq = arch.dim, arch.vocab_size, arch.n_heads, config.training.seq_len
+    kv = (arch.n_kv_heads or arch.n_heads) * (d // heads)
+    subspace = protocol.mode == "subspace" and n_stages > 1
+    matmuls = block_matmuls(config, _factored_model(config) and not last)
+    weights = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
+    in_flight = n_mb
+    if par.pipeline_parallel_schedule == "1F1B":
+        in_flight = min(n_mb, n_stages - stage)
+
+    unsaved = a * (7 * d + 2 * kv + 4 * arch.hidden_dim) + 4 * heads
+    ac = config.activation_checkpoint
+    recompute_flops = 0.0
+    if isinstance(ac, FullAC.Config):
+        kept = a * d
+        recompute_flops = n_blocks * (2 * weights + 4 * d * seq) * tokens
+    elif isinstance(ac, SelectiveAC.Config):
+        kept = a * (2 * d + sum(m.fan_out for m in matmuls[::2])) + 4 * heads
+        recomputed = sum(m.fan_in * m.fan_out for m in matmuls[1::2] if m.weight)
+        recompute_flops = n_blocks * 2 * recomputed * tokens
+    else:
+        kept = unsaved
+    per_token = n_blocks * kept + (2 * a * d if last else a * (protocol.k if subspace else d))
+    recompute = tokens * unsaved if ac is not None and n_blocks else 0
+    activations = in_flight * tokens * per_token + recompute
+
+    logits = 0.0
+    if last:
+        chunk = getattr(arch, "loss_chunk_tokens", 0)
+        if chunk:
+            logits = (a + 12) * v * min(chunk, tokens) + (4 + a) * v * d
+        else:
+            logits = (a + 4) * v * in_flight * tokens + 8 * v * tokens
+    table_bytes = 2 if protocol.table_dtype == "bfloat16" else 4
+    memory = {
+        "state 16P/D": 16 * params / max(par.data_parallel_shard_degree, 1),
+        "unsharded": (a + 4) * params,
+        "activations": activations,
+        "logits": logits,
+        "F and U": v * d * table_bytes + 4 * d * protocol.k if subspace else 0.0,
+        "context": CUDA_CONTEXT,
+    }
+    matmul_weights = n_blocks * weights + (v * d if last else 0)
+    attention = n_blocks * 4 * d * seq * tokens
+    fwd = 2 * matmul_weights * tokens + attention
+    return memory, fwd, 2 * fwd + recompute_flops
 
 
 def plan_stages(config) -> list[StagePlan]:
-    """Per-stage parameters and memory of ``config``'s layout, from a meta-device model."""
-    arch, protocol, par = config.model, config.protocol, config.parallelism
+    """Per-stage parameters (from a meta-device model split as a run splits it), memory and
+    FLOPs of ``config``'s layout."""
     stages = config.layout_stages
     with torch.device("meta"):
-        model = build_model_config(arch, protocol, stages).build()
-    fsdp = max(par.data_parallel_shard_degree, 1)
-    act_bytes, n_mb, tokens = _microbatching(config)
-    bf16 = act_bytes == 2
-    hidden = arch.hidden_dim
-    per_block_full = act_bytes * (10 * arch.dim + 4 * hidden) * tokens
-    checkpointed = config.activation_checkpoint is not None
-    per_block_kept = act_bytes * arch.dim * tokens if checkpointed else per_block_full
-    table_bytes = 2 if protocol.table_dtype == "bfloat16" else 4
-
+        model = build_model_config(config.model, config.protocol, stages).build()
+    ranges = stage_layer_ranges(config.model.n_layers, stages, config.protocol.layers_per_stage)
     plans = []
-    for s, layers in enumerate(stage_layer_ranges(arch.n_layers, stages)):
-        chunk = split_stage(model, s, stages)
-        params = sum(p.numel() for p in chunk.parameters())
-        block_params = max(
-            (sum(p.numel() for p in b.parameters()) for b in chunk.layers.values()), default=0
-        )
-        activations = n_mb * len(layers) * per_block_kept + (per_block_full if checkpointed else 0)
-        if s == stages - 1:
-            activations += n_mb * tokens * arch.vocab_size * 6
-        memory = {
-            "weights+grads+adam": 16 * params / fsdp,
-            "unsharded block (bf16)": 2 * block_params if bf16 and fsdp > 1 else 0.0,
-            "activations": activations,
-            "F and U": (
-                arch.vocab_size * arch.dim * table_bytes + arch.dim * protocol.k * 4
-                if getattr(chunk, "subspace", False)
-                else 0.0
-            ),
-        }
-        plans.append(StagePlan(s, layers, params, memory))
+    for s, layers in enumerate(ranges):
+        params = sum(p.numel() for p in split_stage(model, s, stages).parameters())
+        memory, fwd, bwd = stage_cost(config, s, len(layers), params)
+        plans.append(StagePlan(s, layers, params, memory, fwd, bwd))
     return plans
 
 
-def wire_plan(config, bandwidth_mbps: float | None, latency_ms: float) -> dict:
-    """Bytes per step at each boundary (all data-parallel replicas) and the wire lower bound."""
-    arch, protocol, par = config.model, config.protocol, config.parallelism
+def propose_split(config, mfu: float) -> tuple[list[int], float, float] | None:
+    """The balanced ``layers_per_stage`` (module docstring) as ``(split, busiest stage's compute
+    seconds per step, largest stage's bytes with the margin)``, or None if no split fits."""
+    n_layers, n_stages = config.model.n_layers, config.layout_stages
+    limit = config.hardware.usable_memory_gib * GIB
+    _, n_mb, _ = _microbatching(config)
+    costs: dict[tuple[int, int], tuple[float, float]] = {}
+    for s in range(n_stages):
+        for n in range(1, n_layers - n_stages + 2):
+            memory, fwd, bwd = stage_cost(config, s, n, stage_params(config, s, n))
+            seconds = _compute_seconds(config, n_mb * (fwd + bwd), mfu)
+            costs[s, n] = (seconds, sum(memory.values()) * MARGIN)
+
+    def seconds(s: int, n: int) -> float:
+        time, total = costs[s, n]
+        return time if total <= limit else math.inf
+
+    fastest = _minimax_split(n_layers, n_stages, seconds)
+    if fastest is None:
+        return None
+
+    def memory(s: int, n: int) -> float:
+        time, total = costs[s, n]
+        return total if total <= limit and time <= fastest[0] * (1 + 1e-9) else math.inf
+
+    largest, split = _minimax_split(n_layers, n_stages, memory)
+    return split, fastest[0], largest
+
+
+def _minimax_split(
+    n_layers: int, n_stages: int, cost: Callable[[int, int], float]
+) -> tuple[float, list[int]] | None:
+    """The split of ``n_layers`` blocks (each stage >= 1) minimizing ``max_s cost(s, n_s)``
+    (``inf``: not allowed), by dynamic programming over (stages, blocks placed)."""
+    best = [[math.inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    choice = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for placed in range(s, n_layers - (n_stages - s) + 1):
+            for n in range(1, placed - s + 2):
+                value = max(best[s - 1][placed - n], cost(s - 1, n))
+                if value < best[s][placed]:
+                    best[s][placed], choice[s][placed] = value, n
+    if math.isinf(best[n_stages][n_layers]):
+        return None
+    split, placed = [], n_layers
+    for s in range(n_stages, 0, -1):
+        split.append(choice[s][placed])
+        placed -= choice[s][placed]
+    return best[n_stages][n_layers], split[::-1]
+
+
+def twin(config):
+    """``config`` with the other model on the same layout: dense for a subspace or lossy mode,
+    subspace (at ``protocol.k``) for dense."""
+    other = copy.copy(config)
+    mode = "subspace" if config.protocol.mode == "dense" else "dense"
+    other.protocol = dataclasses.replace(config.protocol, mode=mode)
+    return other
+
+
+def message_bytes(config) -> tuple[int, int]:
+    """Bytes of one microbatch's forward and backward message at a boundary: ``mb x seq``
+    tokens of k (subspace) or d (dense) coordinates in the compute dtype, or a lossy codec's
+    payload (``Codec.payload_bytes``)."""
+    arch, protocol = config.model, config.protocol
+    act_bytes, _, tokens = _microbatching(config)
+    codec = build_codec(protocol.mode, config.codec, arch.dim, protocol.seed)
+    if codec is None:
+        width = protocol.k if protocol.mode == "subspace" else arch.dim
+        return tokens * width * act_bytes, tokens * width * act_bytes
+    shape = torch.Size(
+        [config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len, arch.dim]
+    )
+    dtype = torch.bfloat16 if act_bytes == 2 else torch.float32
+    return (codec.payload_bytes(shape, dtype, "fwd"), codec.payload_bytes(shape, dtype, "bwd"))
+
+
+def wire_plan(config) -> dict:
+    """Bytes per step at each boundary (both directions, all data-parallel replicas), the
+    configured mode's and dense's."""
     act_bytes, n_mb, tokens = _microbatching(config)
-    dp = par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
-    width = protocol.k if protocol.mode == "subspace" else arch.dim
-    message = tokens * width * act_bytes
-    dense_message = tokens * arch.dim * act_bytes
-    per_boundary = 2 * n_mb * dp * message
-    dense_per_boundary = 2 * n_mb * dp * dense_message
-    bound = None
-    if bandwidth_mbps:
-        # the busiest receiving stage (a middle one) gets n_mb forward and n_mb backward messages
-        # per data-parallel replica; the replicas share the region's link bandwidth, while each
-        # replica's messages pay the latency one after another (stop-and-wait)
-        inbound = 2 if config.layout_stages > 2 else 1
-        shared_bytes = inbound * n_mb * dp * message
-        bound = 8 * shared_bytes / (bandwidth_mbps * 1e6) + inbound * n_mb * latency_ms / 1e3
+    replicas = _replicas(config)
+    fwd, bwd = message_bytes(config)
+    dense = 2 * n_mb * replicas * tokens * config.model.dim * act_bytes
+    per_boundary = n_mb * replicas * (fwd + bwd)
     return {
-        "message_bytes": message,
+        "message_bytes": fwd,
         "per_boundary_bytes": per_boundary,
-        "dense_per_boundary_bytes": dense_per_boundary,
-        "ratio": dense_per_boundary / per_boundary,
-        "lower_bound_s": bound,
+        "dense_per_boundary_bytes": dense,
+        "ratio": dense / per_boundary,
     }
+
+
+def predict_step(
+    config, plans: list[StagePlan], bandwidth_mbps: float | None, latency_ms: float, mfu: float
+) -> dict:
+    """The predicted step of ``plans`` (module docstring: per-stage compute per microbatch, the
+    links as pipeline servers, a forward then a backward pass), as seconds: ``busiest_compute_s``
+    (the busiest stage's compute per step), ``link_s`` (one forward message on a link),
+    ``step_s``; and ``tokens_per_s`` over all data-parallel replicas."""
+    _, n_mb, _ = _microbatching(config)
+    replicas = _replicas(config)
+
+    def link_seconds(nbytes: int) -> float:
+        transfer = 8 * replicas * nbytes / (bandwidth_mbps * 1e6) if bandwidth_mbps else 0.0
+        return transfer + latency_ms / 1e3
+
+    def one_pass(stage_seconds: list[float], link: float) -> float:
+        links = len(stage_seconds) - 1
+        slowest = max(stage_seconds + ([link] if links else []))
+        return sum(stage_seconds) + links * link + (n_mb - 1) * slowest
+
+    fwd_msg, bwd_msg = message_bytes(config)
+    fwd = [_compute_seconds(config, p.fwd_flops, mfu) for p in plans]
+    bwd = [_compute_seconds(config, p.bwd_flops, mfu) for p in plans]
+    step = one_pass(fwd, link_seconds(fwd_msg)) + one_pass(bwd, link_seconds(bwd_msg))
+    tokens = replicas * config.training.local_batch_size * config.training.seq_len
+    return {
+        "busiest_compute_s": n_mb * max(f + b for f, b in zip(fwd, bwd, strict=True)),
+        "link_s": link_seconds(fwd_msg),
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+    }
+
+
+def _compute_seconds(config, flops: float, mfu: float) -> float:
+    return flops / (mfu * config.hardware.peak_tflops * 1e12)
+
+
+def _replicas(config) -> int:
+    """Data-parallel replicas of each stage (they share a boundary's link)."""
+    par = config.parallelism
+    return par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
 
 
 def _microbatching(config) -> tuple[int, int, int]:
@@ -147,48 +379,85 @@ def _microbatching(config) -> tuple[int, int, int]:
     return act_bytes, training.local_batch_size // mb, mb * training.seq_len
 
 
-def render(config, plans: list[StagePlan], wire: dict, bandwidth_mbps, latency_ms) -> str:
-    hw, par = config.hardware, config.parallelism
-    dp = par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
+def _label(config) -> str:
+    protocol = config.protocol
+    return f"subspace k={protocol.k}" if protocol.mode == "subspace" else protocol.mode
+
+
+def render(
+    config,
+    plans: list[StagePlan],
+    wire: dict,
+    predictions: dict[str, dict],
+    bandwidth_mbps: float | None,
+    latency_ms: float,
+    mfu: float,
+) -> str:
+    """The planner's report: layout, the per-stage table, wire bytes, predicted step times."""
+    hw, par, arch = config.hardware, config.parallelism, config.model
+    dp = _replicas(config)
     world = config.layout_stages * dp * par.tensor_parallel_degree
+    _, n_mb, _ = _microbatching(config)
+    ac = config.activation_checkpoint
+    ac_name = {FullAC.Config: "full", SelectiveAC.Config: "selective"}.get(type(ac), "none")
     lines = [
-        f"model: d={config.model.dim}, {config.model.n_layers} layers, "
-        f"vocab {config.model.vocab_size}, mode={config.protocol.mode}"
+        f"model: d={arch.dim}, {arch.n_layers} layers, vocab {arch.vocab_size}, "
+        f"mode={config.protocol.mode}"
         + (f", k={config.protocol.k}" if config.protocol.mode == "subspace" else ""),
         f"total parameters: {sum(p.params for p in plans):,}",
         f"layout: {config.layout_stages} pipeline stages x {dp} data-parallel = {world} GPUs "
-        f"({hw.gpus_per_node} per node, {hw.gpu_memory_gib:g} GiB each); "
-        f"{config.training.local_batch_size // par.pipeline_parallel_microbatch_size} microbatches "
-        f"of {par.pipeline_parallel_microbatch_size} x {config.training.seq_len} tokens, "
-        f"{par.pipeline_parallel_schedule}",
+        f"({hw.gpus_per_node} per node, {hw.usable_memory_gib:g} GiB usable and "
+        f"{hw.peak_tflops:g} TFLOP/s peak each); blocks per stage "
+        f"{[len(p.layers) for p in plans]}; {n_mb} microbatches of "
+        f"{par.pipeline_parallel_microbatch_size} x {config.training.seq_len} tokens, "
+        f"{par.pipeline_parallel_schedule}, activation_checkpoint {ac_name}, "
+        f"loss_chunk_tokens {getattr(arch, 'loss_chunk_tokens', 0)}",
         "",
-        "| stage | layers | ranks (nodes) | params | weights+grads+adam | unsharded block "
-        "| activations | F and U | total (+10%) | fits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "memory per GPU in GiB (fits: total incl. CUDA context x 1.10 <= "
+        f"{hw.usable_memory_gib:g}); compute per GPU per step at MFU {mfu:g}",
+        "",
+        "| stage | layers | ranks (nodes) | params | "
+        + " | ".join(plans[0].memory)
+        + " | total x1.10 | fits | TFLOP/step | compute s/step |",
+        "|---" * (8 + len(plans[0].memory)) + "|",
     ]
     for p in plans:
         first_rank = p.stage * dp * par.tensor_parallel_degree
         last_rank = first_rank + dp * par.tensor_parallel_degree - 1
         nodes = f"{first_rank // hw.gpus_per_node}-{last_rank // hw.gpus_per_node}"
-        fits = p.total_bytes <= hw.gpu_memory_gib * GIB
-        mem = [f"{v / GIB:.2f}" for v in p.memory.values()]
+        fits = p.total_bytes <= hw.usable_memory_gib * GIB
+        mem = " | ".join(f"{v / GIB:.2f}" for v in p.memory.values())
+        flops = n_mb * (p.fwd_flops + p.bwd_flops)
         lines.append(
             f"| {p.stage} | {p.layers.start}-{p.layers.stop - 1} "
-            f"| {first_rank}-{last_rank} ({nodes}) | {p.params:,} | {' | '.join(mem)} "
-            f"| {p.total_bytes / GIB:.2f} GiB | {'yes' if fits else 'NO'} |"
+            f"| {first_rank}-{last_rank} ({nodes}) | {p.params:,} | {mem} "
+            f"| {p.total_bytes / GIB:.2f} | {'yes' if fits else 'NO'} "
+            f"| {flops / 1e12:,.1f} | {_compute_seconds(config, flops, mfu):.2f} |"
         )
+    stages = config.layout_stages
+    link = f"{bandwidth_mbps:g} Mbit/s" if bandwidth_mbps else "unlimited bandwidth"
     lines += [
         "",
         f"wire per boundary per step (fwd + bwd, all {dp} data-parallel replicas): "
         f"{wire['per_boundary_bytes'] / 1e6:,.1f} MB ({config.protocol.mode}) vs "
         f"{wire['dense_per_boundary_bytes'] / 1e6:,.1f} MB dense -> {wire['ratio']:.1f}x; "
         f"one message {wire['message_bytes'] / 1e3:,.1f} kB",
+        "",
+        f"predicted step on this layout, links at {link} + {latency_ms:g} ms, MFU {mfu:g} of "
+        f"{hw.peak_tflops:g} TFLOP/s; GPipe bubble {stages - 1}/{n_mb + stages - 1} = "
+        f"{(stages - 1) / (n_mb + stages - 1):.0%}",
+        "",
+        "| | " + " | ".join(predictions) + " |",
+        "|---" * (1 + len(predictions)) + "|",
     ]
-    if wire["lower_bound_s"] is not None:
-        lines.append(
-            f"wire lower bound on step time at {bandwidth_mbps:g} Mbit/s + {latency_ms:g} ms: "
-            f"{wire['lower_bound_s']:.2f} s (busiest receiving stage)"
-        )
+    rows = [
+        ("busiest stage compute per step", lambda r: f"{r['busiest_compute_s']:.2f} s"),
+        ("one forward message on a link", lambda r: f"{r['link_s']:.3f} s"),
+        ("predicted step time", lambda r: f"{r['step_s']:.2f} s"),
+        (f"tokens/s ({world} GPUs)", lambda r: f"{r['tokens_per_s']:,.0f}"),
+    ]
+    for name, cell in rows:
+        lines.append(f"| {name} | " + " | ".join(cell(r) for r in predictions.values()) + " |")
     return "\n".join(lines)
 
 
@@ -197,30 +466,73 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m protocol_models.plan", add_help=True)
     parser.add_argument("--bandwidth-mbps", type=float, default=None)
     parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--mfu", type=float, default=0.4, help="fraction of [hardware] peak_tflops (default 0.4)"
+    )
+    parser.add_argument(
+        "--propose-split", action="store_true", help="print the balanced layers_per_stage"
+    )
     known, rest = parser.parse_known_args(argv)
     toml_path, overrides = split_argv(rest)
     try:
+        if not 0 < known.mfu <= 1:
+            raise UserError(f"--mfu {known.mfu:g}: must be in (0, 1]")
         config = load_config(toml_path, overrides, check_environment=False)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     plans = plan_stages(config)
-    wire = wire_plan(config, known.bandwidth_mbps, known.latency_ms)
-    print(render(config, plans, wire, known.bandwidth_mbps, known.latency_ms))
-    limit = config.hardware.gpu_memory_gib * GIB
+    other = twin(config)
+    predictions = {
+        _label(c): predict_step(c, p, known.bandwidth_mbps, known.latency_ms, known.mfu)
+        for c, p in sorted(
+            [(config, plans), (other, plan_stages(other))],
+            key=lambda cp: cp[0].protocol.mode != "dense",
+        )
+    }
+    wire = wire_plan(config)
+    print(
+        render(config, plans, wire, predictions, known.bandwidth_mbps, known.latency_ms, known.mfu)
+    )
+    limit = config.hardware.usable_memory_gib * GIB
     too_big = [p for p in plans if p.total_bytes > limit]
+    _print_proposal(config, plans, known.mfu, known.propose_split or bool(too_big))
     if too_big:
         worst = max(too_big, key=lambda p: p.total_bytes)
         print(
-            f"error: stage {worst.stage} needs {worst.total_bytes / GIB:.1f} GiB per GPU, "
-            f"more than hardware.gpu_memory_gib = {config.hardware.gpu_memory_gib:g} "
-            "(more pipeline stages, more data_parallel_shard_degree, activation_checkpoint "
-            '= "full" '
-            "or smaller microbatches reduce it)",
+            f"error: stage {worst.stage} needs {worst.total_bytes / GIB:.1f} GiB per GPU with the "
+            f"10% margin, more than hardware.usable_memory_gib = "
+            f"{config.hardware.usable_memory_gib:g} (a balanced protocol.layers_per_stage, "
+            'activation_checkpoint = "full", smaller microbatches, '
+            + ("model.loss_chunk_tokens, " if hasattr(config.model, "loss_chunk_tokens") else "")
+            + "more pipeline stages or data_parallel_shard_degree reduce it)",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def _print_proposal(config, plans: list[StagePlan], mfu: float, asked: bool) -> None:
+    """Print the balanced split if ``asked`` or if it beats the configured one by UNBALANCED."""
+    n_layers, n_stages = config.model.n_layers, config.layout_stages
+    proposal = propose_split(config, mfu)
+    if proposal is None:
+        if asked:
+            print(f"\nno split of {n_layers} blocks over {n_stages} stages fits")
+        return
+    split, busiest, largest = proposal
+    _, n_mb, _ = _microbatching(config)
+    configured = max(
+        _compute_seconds(config, n_mb * (p.fwd_flops + p.bwd_flops), mfu) for p in plans
+    )
+    if asked or (
+        split != [len(p.layers) for p in plans] and busiest <= (1 - UNBALANCED) * configured
+    ):
+        print(
+            f'\nbalanced split: --protocol.layers_per_stage "{split}": busiest stage '
+            f"{busiest:.2f} s compute per step (configured {configured:.2f} s), largest stage "
+            f"{largest / GIB:.2f} GiB with the margin"
+        )
 
 
 if __name__ == "__main__":

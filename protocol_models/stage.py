@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torchtitan.tools.logging import logger
 
 from protocol_models.codecs import Codec, Payload
 from protocol_models.link import SimulatedLink
@@ -88,9 +89,11 @@ class WirePipelineStage(PipelineStage):
         self._sent: dict[int, Payload] = {}
         self._received: dict[int, tuple[Payload, torch.Tensor]] = {}
         self._grad_in: dict[int, tuple[Payload, torch.Tensor]] = {}
+        self._described: set[str] = set()
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self._describe_once("fwd", self.stage_index, ops)
         if self.codec is None or not ops:
             self.meter.record("fwd", self.stage_index, [op.tensor for op in ops])
             return self._with_stamp(ops)
@@ -103,6 +106,7 @@ class WirePipelineStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self._describe_once("bwd", self.stage_index - 1, ops)
         if self.codec is None or not ops:
             self.meter.record("bwd", self.stage_index - 1, [op.tensor for op in ops])
             return self._with_stamp(ops)
@@ -141,6 +145,18 @@ class WirePipelineStage(PipelineStage):
                 buffer.copy_(self.codec.decode_grad(payload, sent, buffer.shape))
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+    def _describe_once(self, direction: str, boundary: int, ops: list[dist.P2POp]) -> None:
+        """Log, once per direction, what this stage's messages over ``boundary`` hold."""
+        if not ops or direction in self._described:
+            return
+        self._described.add(direction)
+        t = ops[0].tensor
+        codec = f" (before the {self.codec.name} codec)" if self.codec is not None else ""
+        logger.info(
+            f"boundary {boundary} carries {str(t.dtype).removeprefix('torch.')} {direction} "
+            f"messages {list(t.shape)}{codec}: {t.element_size()} B per coordinate"
+        )
+
     def _payload_recvs(
         self, ops: list[dist.P2POp], direction: str, store: dict, chunk: int
     ) -> list[dist.P2POp]:
@@ -153,7 +169,7 @@ class WirePipelineStage(PipelineStage):
             for shape, dtype in self.codec.spec(target.shape, target.dtype, direction)
         ]
         store[chunk] = (payload, target)
-        return [dist.P2POp(dist.irecv, t, op.peer, op.group) for t in payload]
+        return [dist.P2POp(dist.irecv, _wire_view(t), op.peer, op.group) for t in payload]
 
     def _with_stamp(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         if self.link is not None and ops:
@@ -174,6 +190,17 @@ class WirePipelineStage(PipelineStage):
             self.link.discard(direction, chunk)
 
 
+NCCL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
+               torch.bfloat16, torch.float32, torch.float64)  # fmt: skip
+"""Element types NCCL transfers; any other payload tensor travels as its bytes."""
+
+
+def _wire_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or (e.g. TopK's int16 indices) a uint8 view of the same memory: the bytes
+    on the wire are identical, and a receive into the view fills the typed buffer."""
+    return t if t.dtype in NCCL_DTYPES else t.view(torch.uint8)
+
+
 def _sends(op: dist.P2POp, payload: Payload) -> list[dist.P2POp]:
     """Send ops for ``payload`` to the peer (and over the group) of the data op ``op``."""
-    return [dist.P2POp(dist.isend, t, op.peer, op.group) for t in payload]
+    return [dist.P2POp(dist.isend, _wire_view(t), op.peer, op.group) for t in payload]

@@ -6,27 +6,60 @@ Every residual-stream vector at a pipeline boundary satisfies ``x = F[ids] + c @
 * ``F``  ``[V, d]`` fp32, a frozen N(0, 1) token table present on every stage;
 * ``c``  ``[mb, seq, k]``, the only activation that crosses a boundary.
 
-Both buffers come from one explicit CPU generator (U drawn first, then F), so every stage of every
-node rebuilds bit-identical copies from the seed alone; nothing is communicated.
+Both buffers come from one explicit CPU generator (U drawn first, then F, block by block), so every
+stage of every node rebuilds bit-identical copies from the seed alone; nothing is communicated.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+
+TABLE_BLOCK_ROWS = 4096
+"""Rows of ``F`` drawn, hashed and copied to the device at a time (64 MB at d = 4096)."""
 
 
 def make_basis_and_table(
     seed: int, dim: int, k: int, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(U [dim, k], F [vocab_size, dim])`` in fp32, deterministic in ``seed``.
+    """Return ``(U [dim, k], F [vocab_size, dim])`` in fp32 on the CPU, deterministic in
+    ``seed`` (the small-model form of ``generate``)."""
+    basis, table, _ = generate(seed, dim, k, vocab_size)
+    return basis, table
+
+
+def generate(
+    seed: int,
+    dim: int,
+    k: int,
+    vocab_size: int,
+    *,
+    device: torch.device | str = "cpu",
+    table_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+    """``(U [dim, k] fp32, F [vocab_size, dim] table_dtype, sha256 of F)``, both on ``device``.
+
+    One explicit CPU generator draws ``U`` first, then ``F`` in blocks of ``TABLE_BLOCK_ROWS``
+    rows (the same values as one ``randn`` of the whole table: the CPU generator's stream does
+    not depend on how the draws are split). Each block is rounded to ``table_dtype``, hashed
+    and copied to ``device``, so host memory holds one block, never the whole table (2.1 GB in
+    fp32 at LLaMA-3 8B sizes, on every rank). The digest covers the stored values (as fp32
+    bytes, row-major): stages and checkpoints compare it instead of hashing ``F`` again.
 
     ``U = QR(G)[0]`` with column signs fixed so that ``diag(R) > 0`` (QR's sign convention is not
     guaranteed across LAPACK builds; the fix makes ``U`` a function of ``G`` alone).
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     basis = orthonormalize(torch.randn(dim, k, generator=gen, dtype=torch.float32))
-    table = torch.randn(vocab_size, dim, generator=gen, dtype=torch.float32)
-    return basis.contiguous(), table
+    table = torch.empty(vocab_size, dim, dtype=table_dtype, device=device)
+    digest = hashlib.sha256()
+    for start in range(0, vocab_size, TABLE_BLOCK_ROWS):
+        rows = min(TABLE_BLOCK_ROWS, vocab_size - start)
+        block = torch.randn(rows, dim, generator=gen, dtype=torch.float32).to(table_dtype)
+        digest.update(block.float().numpy().tobytes())
+        table[start : start + rows].copy_(block)
+    return basis.contiguous().to(device), table, digest.digest()
 
 
 def orthonormalize(x: torch.Tensor) -> torch.Tensor:
@@ -69,3 +102,19 @@ def leak(x: torch.Tensor, ids: torch.Tensor, basis: torch.Tensor, table: torch.T
     u = basis.float()
     outside = residual - (residual @ u) @ u.T
     return outside.norm() / residual.norm().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+LEAK_ROUNDINGS = 32
+"""``leak_tolerance`` in units of the stream dtype's unit roundoff."""
+
+
+def leak_tolerance(dtype: torch.dtype) -> float:
+    """The largest ``leak`` that still means "exact" for a stream computed in ``dtype``.
+
+    The stream ``x`` is itself rounded to ``dtype`` at every residual add, and a rounded vector
+    is in ``F[ids] + span(U)`` only up to that rounding: an fp32 stream measures ~6 unit
+    roundoffs (~3.5e-7), a bf16 stream ~4 (~1.5e-2 with u = 2^-8). So in bf16 the subspace wire
+    is exact up to the rounding a dense bf16 wire also has; the tolerance is 32 unit roundoffs
+    (fp32: 1.9e-6, bf16: 0.125), well below the O(0.1-1) leak of a broken constraint.
+    """
+    return LEAK_ROUNDINGS * torch.finfo(dtype).eps / 2

@@ -1,29 +1,55 @@
 """Worker entry point: ``torchrun ... -m protocol_models.train --toml FILE [--section.key value]``.
 
 The config is checked before anything else (one ``error:`` line and exit code 2 on bad input);
-then TorchTitan's real Trainer runs, as ``torchtitan.train.main`` would run it.
+then TorchTitan's real Trainer runs, as ``torchtitan.train.main`` would run it. Every error,
+user error or bug, is also recorded in torchelastic's per-worker error file, from which the
+launcher (``protocol_models.launch``) reports the first failing rank even when its output is
+hidden by the log filter.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from protocol_models import data
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
 
 
+@record  # a bug's traceback goes to the error file (and is raised on)
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error (config, start-up check, non-finite guard)."""
     try:
         run(*split_argv(sys.argv[1:] if argv is None else argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        get_error_handler().record_exception(e)  # a no-op outside torchelastic
         return 2
     return 0
+
+
+def exit_now(code: int) -> None:
+    """End the worker without interpreter finalization, once everything is flushed.
+
+    A finished run has torn its process groups down on every rank together, but the trainer
+    graph (pipeline stages and their point-to-point ``Work`` objects, the device mesh's groups,
+    dataloader state) sits in reference cycles that Python frees only in its final garbage
+    collection, while the interpreter is being torn down. A c10d object destroyed then, holding
+    Python references or a joinable thread, aborts the process ("terminate called without an
+    active exception", SIGABRT) after "Training completed" was printed: a finished job looks
+    failed, and ``MAX_RESTARTS`` would restart it. Leaving with ``os._exit`` after flushing the
+    logs and streams closes that window: no C++ destructor runs once the interpreter is half
+    gone. (Every error path keeps the normal exit: tracebacks and error records are written.)
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(toml_path: str | None, overrides: list[str]) -> None:
@@ -51,4 +77,4 @@ def run(toml_path: str | None, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -6,38 +6,53 @@
   pipeline group reads the same microbatches, so ids never cross the wire.
 * With the causal ``sdpa`` backend, the dataloader's per-document ``positions`` are dropped so
   RoPE sees the same packed-sequence positions the causal mask uses.
+* With ``[model] loss_chunk_tokens``, the labels reach every stage as the kwarg ``labels``; the
+  last stage returns the summed loss and ``ModelLoss`` normalizes it (``protocol_models.loss``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torchtitan.components.validate import Validator
+from torchtitan.distributed import ParallelDims
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from protocol_models.codecs import LOSSY_MODES, CodecSettings, build_codec
 from protocol_models.errors import StartupError
 from protocol_models.grassmann import SubspaceTracker
 from protocol_models.link import LinkSettings, SimulatedLink
+from protocol_models.loss import ModelLoss
 from protocol_models.metrics import ProtocolMetricsProcessor
-from protocol_models.model import ModelArch, ProtocolSettings, build_model_spec
+from protocol_models.model import (
+    ModelArch,
+    ProtocolSettings,
+    build_model_spec,
+    stage_layer_ranges,
+)
 from protocol_models.optimizers import bind_subspace
 from protocol_models.pipeline import pipeline_protocol
 from protocol_models.stage import WireMeter
 
 
 def add_protocol_kwargs(
-    inputs: torch.Tensor, extra_kwargs: dict[str, Any], model_config
+    inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: dict[str, Any], model_config
 ) -> dict[str, Any]:
-    """Forward kwargs every stage receives: the token ids ``[mb, seq]`` (and positions unless the
-    attention is plain causal SDPA)."""
+    """Forward kwargs every stage receives: the token ids ``[mb, seq]``, with
+    ``loss_chunk_tokens`` the labels ``[mb, seq]`` (the last stage computes the loss), and
+    positions unless the attention is plain causal SDPA."""
     extra_kwargs["token_ids"] = inputs
+    if model_config.loss_chunk_tokens:
+        extra_kwargs["labels"] = labels
     inner = model_config.first_attention.inner_attention
     if isinstance(inner, ScaledDotProductAttention.Config):
         extra_kwargs.pop("positions", None)
@@ -46,10 +61,20 @@ def add_protocol_kwargs(
 
 @dataclass(kw_only=True, slots=True)
 class HardwareSettings:
-    """TOML table ``[hardware]``: what the planner checks a layout against."""
+    """TOML table ``[hardware]``: the device the run trains on, and what the planner checks a
+    layout against."""
 
-    gpu_memory_gib: float = 80.0
-    """Memory of one accelerator; ``python -m protocol_models.plan`` fails if a stage needs more."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """``cuda``: a run stops with one line naming the cause when CUDA is unusable (never a
+    silent CPU fallback); ``cpu``: train on CPU over gloo (the CPU configs and tests)."""
+
+    usable_memory_gib: float = 22.5
+    """Memory one GPU offers, as the driver reports its total (NVIDIA L4: about 22.5 GiB of its
+    24 GB); ``python -m protocol_models.plan`` fails unless every stage's estimate, CUDA
+    context included, plus a 10% margin fits in it."""
+    peak_tflops: float = 121.0
+    """Dense bf16 tensor-core peak of one GPU in TFLOP/s (NVIDIA L4 datasheet: 242 with
+    sparsity, i.e. 121 dense); the planner predicts step times at ``--mfu`` of it."""
     gpus_per_node: int = 8
     """Processes per node; the planner prints which nodes hold which pipeline stage."""
 
@@ -63,7 +88,7 @@ class ProtocolValidator(Validator):
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels, model_parts)
-        return inputs, labels, add_protocol_kwargs(inputs, extra, model_parts[0].config)
+        return inputs, labels, add_protocol_kwargs(inputs, labels, extra, model_parts[0].config)
 
 
 class ProtocolTrainer(Trainer):
@@ -104,6 +129,8 @@ class ProtocolTrainer(Trainer):
             codec=config.codec,
             microbatch=config.parallelism.pipeline_parallel_microbatch_size,
         )
+        if config.model.loss_chunk_tokens:
+            config.loss = ModelLoss.Config()
         super().__init__(config)
         self.metrics_processor.wire_meter = self.wire_meter
         self.metrics_processor.link = self.link
@@ -121,7 +148,7 @@ class ProtocolTrainer(Trainer):
             )
         self.optimizers.subspace = self.subspace_tracker
         self.metrics_processor.subspace = self.subspace_tracker
-        self.table_digest = _digest(self.model_parts[0], ("token_table",))
+        self.table_digest = self.model_parts[0].table_sha256
 
     def check_stages_agree(self) -> None:
         """Every pipeline stage must hold the same subspace (U, F and their seed) and layout;
@@ -131,7 +158,7 @@ class ProtocolTrainer(Trainer):
             return
         mine = (
             protocol_identity(self.config),
-            _digest(self.model_parts[0], ("basis", "token_table")).hex(),
+            _subspace_digest(self.model_parts[0]),
         )
         group = self.parallel_dims.get_mesh("pp").get_group()
         everyone: list = [None] * dist.get_world_size(group)
@@ -145,6 +172,43 @@ class ProtocolTrainer(Trainer):
                 f"pipeline stages disagree on the subspace ({stages}); every node must run "
                 "the same [model] and [protocol] settings"
             )
+
+    def init_distributed(self) -> ParallelDims:
+        """TorchTitan's process group and parallel dims, then ``check_placement`` (before any
+        model is built)."""
+        parallel_dims = super().init_distributed()
+        self.check_placement(parallel_dims)
+        return parallel_dims
+
+    def check_placement(self, dims: ParallelDims) -> None:
+        """Every rank logs where it runs; a stage whose data-parallel group (the ranks that hold
+        the same pipeline stage: FSDP, replicate and any other non-pipeline mesh axis) spans two
+        regions would send its all-gathers and reduce-scatters over a slow link every step, so it
+        stops the run at start-up. A rank's region is ``$REGION``, else its host name. Node 0's
+        last local rank (the one ``scripts/train.sh`` shows by default) prints the placement.
+        (Called by TorchTitan's ``__init__`` through ``init_distributed``.)"""
+        if not dist.is_initialized():
+            return
+        mine = RankPlace(
+            region=os.environ.get("REGION") or socket.gethostname(),
+            labelled=bool(os.environ.get("REGION")),
+            host=socket.gethostname(),
+            node=int(os.environ.get("GROUP_RANK", "0")),
+            stage=dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0,
+        )
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)  # NCCL: on the device TorchTitan set
+        rank = dist.get_rank()
+        where = f"REGION={mine.region}" if mine.labelled else "REGION unset"
+        logger.info(
+            f"rank {rank}/{len(everyone)} on node {mine.node} (host {mine.host}, {where}) holds "
+            f"pipeline stage {mine.stage} of {dims.pp}"
+        )
+        if rank == int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1:
+            logger.info(f"placement: {describe_placement(everyone)}")
+        problem = placement_problem(everyone)
+        if problem:
+            raise StartupError(problem)
 
     def state_dict(self) -> dict[str, Any]:
         """TorchTitan's train state plus the subspace's: a sha256 of F (regenerated from the
@@ -174,36 +238,107 @@ class ProtocolTrainer(Trainer):
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
-        return inputs, labels, add_protocol_kwargs(inputs, extra, self.model_config)
+        return inputs, labels, add_protocol_kwargs(inputs, labels, extra, self.model_config)
 
     def train_step(self, data_iterator):
         self.optimizers.current_step = self.step
         self.wire_meter.reset()
         if self.link is not None:
             self.link.reset_counters()
+        measure = self.metrics_processor.should_log(self.step)
         for part in self.model_parts:
             part.pop_boundary_leak()
+            part.measure_leak = measure
         super().train_step(data_iterator)
 
 
-def _digest(model: torch.nn.Module, names: tuple[str, ...]) -> bytes:
-    """sha256 of this stage's named buffers (b"" in dense mode, where there are none)."""
-    buffers = [getattr(model, name, None) for name in names]
-    if all(b is None for b in buffers):
-        return b""
-    digest = hashlib.sha256()
-    for buffer in buffers:
-        if buffer is not None:
-            digest.update(buffer.detach().cpu().float().contiguous().numpy().tobytes())
-    return digest.digest()
+class RankPlace(NamedTuple):
+    """Where one rank runs, as ``check_placement`` gathers it."""
+
+    region: str
+    """``$REGION``, else the host name."""
+    labelled: bool
+    """Whether ``$REGION`` was set."""
+    host: str
+    node: int
+    """The node rank (torchelastic's ``GROUP_RANK``)."""
+    stage: int
+    """The pipeline stage this rank holds."""
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _by_stage(places: list[RankPlace]) -> dict[int, dict[str, list[int]]]:
+    """stage -> region -> global ranks, in stage and first-rank order."""
+    stages: dict[int, dict[str, list[int]]] = {}
+    for rank, place in enumerate(places):
+        stages.setdefault(place.stage, {}).setdefault(place.region, []).append(rank)
+    return dict(sorted(stages.items()))
+
+
+def describe_placement(places: list[RankPlace]) -> str:
+    """One line: for every stage its ranks, their nodes and regions (index = global rank)."""
+    parts = []
+    for stage, regions in _by_stage(places).items():
+        ranks = [r for rs in regions.values() for r in rs]
+        nodes = _ranks_text(sorted({places[r].node for r in ranks}))
+        parts.append(
+            f"stage {stage}: ranks {_ranks_text(ranks)} on node(s) {nodes} "
+            f"(region {' + '.join(regions)})"
+        )
+    return "; ".join(parts)
+
+
+def placement_problem(places: list[RankPlace]) -> str | None:
+    """The one-line reason to refuse a placement (index = global rank), or None: the first
+    stage whose data-parallel group spans more than one region."""
+    for stage, regions in _by_stage(places).items():
+        if len(regions) < 2:
+            continue
+        spans = ", ".join(f"{region!r} (ranks {_ranks_text(rs)})" for region, rs in regions.items())
+        ranks = [r for rs in regions.values() for r in rs]
+        reason = (
+            f"the data-parallel group of pipeline stage {stage} spans regions {spans}, so its "
+            "FSDP/replicate traffic would cross a slow link every step; number the nodes "
+            f"(NODE_RANK) region by region so that ranks {_ranks_text(ranks)} share one region, "
+            "or change [parallelism]"
+        )
+        if not all(places[r].labelled for r in ranks):
+            reason += ", and set REGION on every node (unset, a node's region is its host name)"
+        return reason
+    return None
+
+
+def _subspace_digest(model: torch.nn.Module) -> str:
+    """sha256 of this stage's current U and of F as generated ("" in dense mode). U is
+    ``[d, k]`` (read back once per check); F's digest was taken while generating it."""
+    if not getattr(model, "subspace", False):
+        return ""
+    digest = hashlib.sha256(model.basis.detach().cpu().contiguous().numpy().tobytes())
+    digest.update(model.table_sha256)
+    return digest.hexdigest()
 
 
 def protocol_identity(config: ProtocolTrainer.Config) -> str:
     """What every pipeline stage must share to decode its neighbours' messages, as the text a
-    mismatch error shows: the subspace (mode, k, seed, width) and, in a lossy mode, the codec
-    settings (they fix the payload shapes and the backward)."""
+    mismatch error shows: the subspace (mode, k, seed, width), the blocks per stage (which blocks
+    each stage runs and which are constrained) and, in a lossy mode, the codec settings (they fix
+    the payload shapes and the backward)."""
     protocol = config.protocol
     identity = f"mode={protocol.mode}, k={protocol.k}, seed={protocol.seed}, dim={config.model.dim}"
+    ranges = stage_layer_ranges(
+        config.model.n_layers, config.layout_stages, protocol.layers_per_stage
+    )
+    identity += f", layers per stage {[len(r) for r in ranges]}"
     if protocol.mode in LOSSY_MODES:
         identity += f", codec {config.codec}"
     return identity

@@ -4,8 +4,13 @@
 # The config is checked first (one-line error, no worker started). Environment:
 #   NGPU          processes per node (alias NPROC_PER_NODE; default: what the config needs on one node)
 #   NNODES        number of nodes (default 1); with NNODES>1 also set
-#   NODE_RANK, MASTER_ADDR, MASTER_PORT (c10d rendezvous on MASTER_ADDR:MASTER_PORT)
-#   LOG_RANK      local ranks whose output is shown (default: the last one, where the loss lives)
+#   NODE_RANK     this node's place, 0..NNODES-1: node n gets global ranks n*NGPU .. n*NGPU+NGPU-1
+#                 and TorchTitan puts pipeline stage s on ranks s*D .. s*D+D-1 (D = world / stages)
+#   MASTER_ADDR, MASTER_PORT  c10d rendezvous endpoint (any node reachable by all; port 29500)
+#   REGION        this node's region label (default: its host name); a stage whose data-parallel
+#                 group spans two labels is refused at start-up
+#   LOG_RANK      local ranks whose output is shown (default: the last one, where the loss lives);
+#                 a failed run's last line is the first failing rank's error, shown or not
 #   MAX_RESTARTS  restart the whole job this many times after a worker dies (default 0); with
 #                 [checkpoint] enable = true it resumes from the newest complete checkpoint
 #   PYTHON        interpreter with protocol_models installed (default: .venv/bin/python)
@@ -21,6 +26,9 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 
 check="$("$PYTHON" -m protocol_models.config --toml "$config" "$@")" || exit 2
 nproc="$(sed -n 's/^nproc=//p' <<<"$check")"
+if grep -q '^device=cpu' <<<"$check"; then
+    export PROTOCOL_MODELS_DEVICE=cpu   # bind TorchTitan to the CPU even where a GPU exists
+fi
 if grep -q '^bundled_data=1' <<<"$check"; then
     "$PYTHON" -m protocol_models.data >/dev/null
 fi
@@ -35,5 +43,6 @@ else
           --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}")
 fi
 exec "$PYTHON" -m protocol_models.launch "${rdzv[@]}" --nproc_per_node "$NGPU" \
-    --max-restarts "${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    --max-restarts "${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --tee 3 \
+    --log-line-prefix-template '[rank${rank}]:' \
     -m protocol_models.train --toml "$config" "$@"

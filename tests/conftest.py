@@ -22,8 +22,12 @@ def bundled_data():
     return data.prepare(REPO / ".cache" / "shakespeare")
 
 
-def torchrun(nproc: int, dump_folder: Path, *overrides: str, toml: Path = TINY, env=None):
-    """Run ``protocol_models.train`` on ``nproc`` CPU processes; return the JSONL records."""
+def torchrun(
+    nproc: int, dump_folder: Path, *overrides: str, toml: Path = TINY, env=None,
+    return_output: bool = False,
+):  # fmt: skip
+    """Run ``protocol_models.train`` on ``nproc`` CPU processes; return the JSONL records (and
+    the run's stdout + stderr with ``return_output``)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc_per_node", str(nproc),
@@ -40,7 +44,8 @@ def torchrun(nproc: int, dump_folder: Path, *overrides: str, toml: Path = TINY, 
         f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     )
     metrics = dump_folder / "metrics.jsonl"
-    return read_jsonl(metrics) if metrics.exists() else []
+    records = read_jsonl(metrics) if metrics.exists() else []
+    return (records, result.stdout + result.stderr) if return_output else records
 
 
 def read_jsonl(path: Path) -> list[dict]:

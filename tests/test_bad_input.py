@@ -72,21 +72,30 @@ def test_resume_with_a_different_k_is_refused(tmp_path):
     assert sorted(str(p) for p in dump.rglob("*")) == before, "the dump folder was modified"
 
 
-def test_seed_mismatch_between_nodes_is_refused_at_startup(tmp_path):
-    """Two torchrun "nodes" (one stage each) launched with different protocol.seed."""
+def _launch_two_nodes(tmp_path, node_ranks: list[int], *per_node: list[str]) -> list:
+    """Two torchrun "nodes" (one process each, c10d rendezvous on localhost), started with the
+    given ``--node_rank`` values and per-node extra overrides."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    nodes = [
+    return [
         subprocess.Popen(
             [sys.executable, "-m", "protocol_models.launch", "--nnodes", "2", "--node_rank", str(rank),
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--nproc_per_node", "1",
-             "-m", "protocol_models.train", "--toml", str(TINY), "--dump_folder", str(tmp_path / f"node{rank}"),
-             "--protocol.seed", str(seed)],
+             "-m", "protocol_models.train", "--toml", str(TINY), *extra],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        for rank, seed in ((0, 7), (1, 8))
+        for rank, extra in zip(node_ranks, per_node, strict=True)
     ]  # fmt: skip
+
+
+def test_seed_mismatch_between_nodes_is_refused_at_startup(tmp_path):
+    """Two torchrun "nodes" (one stage each) launched with different protocol.seed."""
+    nodes = _launch_two_nodes(
+        tmp_path, [0, 1],
+        *(["--dump_folder", str(tmp_path / f"node{rank}"), "--protocol.seed", str(seed)]
+          for rank, seed in ((0, 7), (1, 8))),
+    )  # fmt: skip
     for node in nodes:
         out, err = node.communicate(timeout=300)
         assert node.returncode != 0
@@ -97,6 +106,20 @@ def test_seed_mismatch_between_nodes_is_refused_at_startup(tmp_path):
         )
         assert "Traceback" not in out + err
         assert "step:  1" not in out + err, "training started"
+
+
+def test_two_nodes_with_one_node_rank_are_refused(tmp_path):
+    """Both nodes started with --node_rank 0: the rendezvous refuses the pair (no worker starts)."""
+    run = ["--dump_folder", str(tmp_path / "run")]
+    nodes = _launch_two_nodes(tmp_path, [0, 0], run, run)
+    for node in nodes:
+        out, err = node.communicate(timeout=120)
+        assert node.returncode == 2
+        assert err.strip() == (
+            "error: rendezvous failed: the 2 nodes were started with node ranks [0, 0]; each of "
+            "0..1 must be given to exactly one node"
+        )
+    assert not (tmp_path / "run").exists(), "a worker started"
 
 
 def test_toml_syntax_error_names_the_file(tmp_path):

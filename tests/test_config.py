@@ -44,6 +44,13 @@ def test_override_literals():
         (["--activation_checkpoint", "some"], "activation_checkpoint = 'some'"),
         (["--protocol.stages", "3"], "protocol.stages = 3: must equal"),
         (["--checkpoint.create_seed_checkpoint"], "needs checkpoint.enable"),
+        (
+            ["--protocol.layers_per_stage", "[4, 4, 0]"],
+            "protocol.layers_per_stage = [4, 4, 0]: expected 2 entries, one per pipeline stage",
+        ),
+        (["--protocol.layers_per_stage", "[8, 0]"], "every stage needs at least one block"),
+        (["--protocol.layers_per_stage", "[4, 3]"], "sums to 7, expected model.n_layers = 8"),
+        (["--protocol.layers_per_stage", "[4, 'x']"], "expected a list of integers"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

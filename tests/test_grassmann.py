@@ -21,7 +21,7 @@ from protocol_models.grassmann import (
 )
 from protocol_models.model import ModelArch, ProtocolSettings, build_model_config
 from protocol_models.optimizers import SubspaceAdamW, bind_subspace
-from protocol_models.subspace import leak, make_basis_and_table
+from protocol_models.subspace import leak, leak_tolerance, make_basis_and_table
 
 ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)
 
@@ -110,7 +110,7 @@ def test_update_changes_the_function_only_by_the_reprojection(
     x = (x.float() @ new.T if model.factored else x) + model.token_table[ids]
     for layer in list(model.layers.values())[:2]:
         x = layer(x, None, basis=new)
-    assert leak(x, ids, new, model.token_table) < 1e-5
+    assert leak(x, ids, new, model.token_table) < leak_tolerance(torch.float32)
     with torch.no_grad():
         loss_after = float(model(ids, token_ids=ids).logsumexp(-1).mean())
     print(f"{parametrization}: loss change at a 10 degree update {loss_after - loss_before:+.5f}")
@@ -132,7 +132,7 @@ def test_updates_in_a_pipeline_keep_the_boundary_exact_and_resume_bit_exactly(tm
     updates = {r["step"]: r["subspace/updates"] for r in reference}
     assert updates[3] == 0 and updates[4] == 1 and updates[12] == 3
     assert all(r["subspace/orthonormality"] < 1e-6 for r in reference)
-    assert all(r["subspace/leak"] < 1e-5 for r in reference)
+    assert all(r["subspace/leak"] < leak_tolerance(torch.float32) for r in reference)
     assert math.isclose(reference[-1]["subspace/update_angle_deg"], 5.0, abs_tol=1e-3)
 
     shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-12")

@@ -1,4 +1,5 @@
-"""The multi-node path: two torchrun "nodes" on one machine, and what reaches wandb."""
+"""The multi-node path: two torchrun "nodes" on one machine (rank placement by NODE_RANK, the
+region check, what reaches wandb) and the SLURM scripts' node numbering."""
 
 from __future__ import annotations
 
@@ -11,27 +12,57 @@ from pathlib import Path
 
 from conftest import REPO, TINY, read_jsonl
 
+from protocol_models.trainer import RankPlace, describe_placement, placement_problem
 
-def test_two_nodes_train_and_log_to_offline_wandb(tmp_path):
-    """Two torchrun processes with --nnodes 2 (c10d rendezvous on localhost), one pipeline stage
-    each, the same config: they train, and the wire metrics reach an offline wandb run."""
+
+def _two_nodes(
+    logs: Path, args: list[str], regions: dict[int, str], env=None
+) -> dict[int, tuple[int, str]]:
+    """Start ``scripts/train.sh`` as nodes 1 and 0 of a 2-node job on this machine (c10d
+    rendezvous on localhost, one process each), node 1 first, with ``REGION`` per node; return
+    node rank -> (exit code, output). The outputs go through files in ``logs``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = {**os.environ, "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "NGPU": "1", **(env or {})}  # fmt: skip
+    # Node 1 starts first: c10d alone would number the nodes by (host name, launcher pid) and
+    # make it node 0, with the global ranks and the pipeline stage meant for node 0.
+    logs.mkdir(parents=True, exist_ok=True)
+    nodes = {}
+    for rank in (1, 0):
+        with open(logs / f"node{rank}.log", "w") as out:
+            nodes[rank] = subprocess.Popen(
+                ["bash", "scripts/train.sh", str(TINY), *args], cwd=REPO,
+                env={**env, "NODE_RANK": str(rank), "REGION": regions[rank]},
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+    codes = {rank: node.wait(timeout=300) for rank, node in nodes.items()}
+    return {rank: (codes[rank], (logs / f"node{rank}.log").read_text()) for rank in (0, 1)}
+
+
+def test_two_nodes_train_in_node_rank_order_and_log_to_offline_wandb(tmp_path):
+    """Two torchrun "nodes", one pipeline stage each, the same config, the node with NODE_RANK=1
+    started first: each node gets the global rank and stage its NODE_RANK says, they train, and
+    the wire metrics reach an offline wandb run."""
     dump = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "NNODES": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "NGPU": "1"}  # fmt: skip
     args = ["--dump_folder", str(dump), "--training.steps", "4", "--metrics.enable_wandb",
             "--metrics.wandb_project", "pm-two-nodes", "--metrics.wandb_tags", '["ci", "two-nodes"]']  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            ["bash", "scripts/train.sh", str(TINY), *args], cwd=REPO, env={**env, "NODE_RANK": str(rank)},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(2)
-    ]  # fmt: skip
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    nodes = _two_nodes(tmp_path, args, {0: "west", 1: "east"}, env={"WANDB_MODE": "offline"})
+    assert [nodes[r][0] for r in (0, 1)] == [0, 0], nodes[0][1][-3000:] + nodes[1][1][-3000:]
+    host = socket.gethostname()
+    for rank, region in ((0, "west"), (1, "east")):
+        output = nodes[rank][1]
+        assert (
+            f"[rank{rank}]:" in output
+            and f"rank {rank}/2 on node {rank} (host {host}, REGION={region}) holds pipeline "
+            f"stage {rank} of 2"
+            in output
+        ), output[-3000:]
+    assert (
+        "placement: stage 0: ranks 0 on node(s) 0 (region west); "
+        "stage 1: ranks 1 on node(s) 1 (region east)" in nodes[0][1]
+    )
 
     records = read_jsonl(dump / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -54,3 +85,114 @@ def test_two_nodes_train_and_log_to_offline_wandb(tmp_path):
     ):
         assert key in logged, key
     assert float(logged["wire/compression_ratio"]) == 16.0
+
+
+def test_data_parallel_group_across_regions_is_refused_at_startup(tmp_path):
+    """Two nodes of one GPU each in regions a and b, no pipeline and 2-way data parallelism: the
+    only data-parallel group spans both regions, so both nodes stop before step 1 with exit code
+    2 and one error line naming the regions."""
+    args = ["--dump_folder", str(tmp_path / "run"), "--parallelism.pipeline_parallel_degree", "1",
+            "--parallelism.data_parallel_replicate_degree", "2"]  # fmt: skip
+    nodes = _two_nodes(tmp_path, args, {0: "a", 1: "b"})
+    for code, output in nodes.values():
+        assert code == 2, output[-3000:]
+        errors = [line for line in output.splitlines() if re.match(r"(\[rank\d\]:)?error: ", line)]
+        assert len(errors) == 1, errors
+        assert (
+            "data-parallel group of pipeline stage 0 spans regions 'a' (ranks 0), 'b' (ranks 1)"
+            in errors[0]
+        )
+        assert "Traceback" not in output and "step:  1" not in output
+
+
+def test_placement_check_and_summary():
+    """The pure part of the start-up check: 2 stages of 4 ranks on 4 nodes of 2 GPUs."""
+
+    def place(region, node, stage, labelled=True):
+        return RankPlace(region=region, labelled=labelled, host=f"h{node}", node=node, stage=stage)
+
+    good = [place("us" if rank < 4 else "eu", rank // 2, rank // 4) for rank in range(8)]
+    assert placement_problem(good) is None
+    assert describe_placement(good) == (
+        "stage 0: ranks 0-3 on node(s) 0-1 (region us); stage 1: ranks 4-7 on node(s) 2-3 (region eu)"
+    )
+    # nodes 1 and 2 swapped (NODE_RANK not given region by region): both stages span us and eu
+    swapped = [good[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)]
+    swapped = [p._replace(stage=rank // 4, node=rank // 2) for rank, p in enumerate(swapped)]
+    problem = placement_problem(swapped)
+    assert problem.startswith(
+        "the data-parallel group of pipeline stage 0 spans regions 'us' (ranks 0-1), 'eu' (ranks 2-3)"
+    )
+    assert "REGION" not in problem.split("or change [parallelism]")[1]
+    # without REGION a node's label is its host name: 2 nodes per stage are 2 regions
+    unlabelled = [place(f"h{n // 2}", n // 2, n // 4, labelled=False) for n in range(8)]
+    assert placement_problem(unlabelled).endswith(
+        "set REGION on every node (unset, a node's region is its host name)"
+    )
+
+
+def test_slurm_nodes_are_numbered_in_the_order_given(tmp_path):
+    """``scripts/slurm/*.sbatch`` with stand-ins for ``scontrol``, ``srun`` (one task per node)
+    and the Python that ``scripts/train.sh`` runs (the config check, then the launcher, whose
+    arguments it prints): NODE_RANK follows the NODES file (else SLURM_HOSTFILE, else the sorted
+    node names), the rendezvous is the first node, REGION comes from the file, never from the
+    submitting shell."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {
+        "scontrol": 'tr , "\\n" <<<"$3"',  # scontrol show hostnames n1,n2,...
+        "srun": 'while [[ $1 == --* ]]; do shift; done\n'
+        'for h in ${SLURM_JOB_NODELIST//,/ }; do SLURMD_NODENAME=$h "$@" || exit; done',
+        "python": 'if [ "$2" = protocol_models.config ]; then printf "nproc=4\\ndevice=cuda\\n"; exit; fi\n'
+        'echo "$SLURMD_NODENAME REGION=${REGION-unset}: $*"',
+    }  # fmt: skip
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
+           "SLURM_JOB_NODELIST": "n1,n2,n3,n4", "SLURM_NNODES": "4", "SLURM_SUBMIT_DIR": str(REPO),
+           "REGION": "from-the-submitting-shell"}  # fmt: skip
+
+    def sbatch(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "scripts/slurm/llama3_2b_l4.sbatch", "--training.steps", "5"],
+            cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    def launches(result: subprocess.CompletedProcess) -> dict[str, tuple[str, str]]:
+        """host -> (REGION, the launcher's arguments from --nnodes on)"""
+        assert result.returncode == 0, result.stdout + result.stderr
+        found = re.findall(
+            r"^(n\d) REGION=(\S+): -m protocol_models.launch (.*)$", result.stdout, re.M
+        )
+        return {host: (region, args) for host, region, args in found}
+
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("# pipeline order\nn3 us-east\nn1 us-east\n\nn4 eu-west\nn2 eu-west\n")
+    got = launches(sbatch(NODES=str(nodes)))
+    for rank, (host, region) in enumerate(
+        [("n3", "us-east"), ("n1", "us-east"), ("n4", "eu-west"), ("n2", "eu-west")]
+    ):
+        assert got[host][0] == region
+        assert got[host][1].startswith(
+            f"--nnodes 4 --node_rank {rank} --rdzv_backend c10d --rdzv_endpoint n3:29500 --nproc_per_node 1 "
+        )
+        config = REPO / "configs" / "llama3_2b_protocol.toml"
+        assert got[host][1].endswith(f"--toml {config} --training.steps 5")
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("n2\nn2\nn4\nn1\nn3\n")  # one line per task, as SLURM reads it
+    got = launches(sbatch(SLURM_HOSTFILE=str(hostfile)))
+    assert [got[h][1].split()[3] for h in ("n2", "n4", "n1", "n3")] == ["0", "1", "2", "3"]
+    assert {region for region, _ in got.values()} == {"unset"}
+
+    got = launches(sbatch())
+    assert [got[h][1].split()[3] for h in ("n1", "n2", "n3", "n4")] == ["0", "1", "2", "3"]
+
+    nodes.write_text("n3\nn1\nn4\n")
+    result = sbatch(NODES=str(nodes))
+    assert result.returncode == 2 and "protocol_models.launch" not in result.stdout
+    assert result.stderr.strip() == (
+        f"error: the node order (NODES={nodes}) lists [n3 n1 n4] but the job has [n1 n2 n3 n4]; "
+        "list every allocated node once"
+    )

@@ -7,7 +7,7 @@ import torch
 from conftest import torchrun
 
 from protocol_models.optimizers import Muon, newton_schulz
-from protocol_models.subspace import make_basis_and_table
+from protocol_models.subspace import leak_tolerance, make_basis_and_table
 
 
 def test_newton_schulz_commutes_with_the_basis():
@@ -45,5 +45,5 @@ def test_optimizer_keeps_the_subspace_and_learns(tmp_path, name):
         "10",
     )
     assert [r["step"] for r in records] == [1, 10, 20, 30, 40, 50]
-    assert all(r["subspace/leak"] < 1e-5 for r in records)
+    assert all(r["subspace/leak"] < leak_tolerance(torch.float32) for r in records)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0

@@ -10,25 +10,38 @@ import pytest
 from conftest import REPO
 
 from protocol_models.config import load_config
-from protocol_models.model import stage_layer_ranges
-from protocol_models.plan import analytical_param_count, plan_stages
+from protocol_models.model import ModelArch, stage_layer_ranges
+from protocol_models.plan import (
+    GIB,
+    StagePlan,
+    _minimax_split,
+    plan_stages,
+    predict_step,
+    propose_split,
+    stage_cost,
+    stage_params,
+)
 
 CONFIGS = ["llama3_8b_protocol", "llama3_8b_dense", "llama3_2b_protocol", "llama3_2b_dense"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_parameter_counts_match_the_architecture(name):
+    """The closed-form count of every stage equals the meta-device model's, split as a run is."""
     config = load_config(str(REPO / "configs" / f"{name}.toml"), [], check_environment=False)
-    ranges = stage_layer_ranges(config.model.n_layers, config.layout_stages)
-    constrained = {i for r in ranges[:-1] for i in r}
-    k = config.protocol.k if config.protocol.mode == "subspace" else None
-    counted = sum(p.params for p in plan_stages(config))
-    assert counted == analytical_param_count(config.model, k, constrained)
+    ranges = stage_layer_ranges(
+        config.model.n_layers, config.layout_stages, config.protocol.layers_per_stage
+    )
+    plans = plan_stages(config)
+    assert [p.layers for p in plans] == ranges
+    assert [p.params for p in plans] == [
+        stage_params(config, s, len(r)) for s, r in enumerate(ranges)
+    ]
     if name == "llama3_8b_dense":
-        assert counted == 8_030_261_248  # Meta's LLaMA-3 8B (untied embedding and head)
+        assert sum(p.params for p in plans) == 8_030_261_248  # Meta's LLaMA-3 8B (untied head)
 
 
-@pytest.mark.parametrize("name", ["llama3_8b_protocol", "llama3_2b_protocol"])
+@pytest.mark.parametrize("name", CONFIGS)
 def test_planner_cli_fits_and_is_fast(name):
     start = time.monotonic()
     result = subprocess.run(
@@ -38,9 +51,12 @@ def test_planner_cli_fits_and_is_fast(name):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - start < 60
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "GiB" in line]
-    assert rows and all(line.rstrip().endswith("| yes |") for line in rows)
-    assert "102.4x" in result.stdout and "wire lower bound" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if line[:3] in {f"| {i}" for i in range(9)}]
+    config = load_config(str(REPO / "configs" / f"{name}.toml"), [], check_environment=False)
+    stages = config.layout_stages
+    assert len(rows) == stages and all("| yes |" in line for line in rows)
+    assert "predicted step time" in result.stdout
+    assert "102.4x" in result.stdout or "dense" in name
 
 
 def test_planner_refuses_a_layout_that_does_not_fit():
@@ -50,4 +66,153 @@ def test_planner_refuses_a_layout_that_does_not_fit():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 1
-    assert "more than hardware.gpu_memory_gib = 24" in result.stderr
+    assert "more than hardware.usable_memory_gib = 22.5" in result.stderr
+
+
+# A tiny layout whose every memory term and FLOP count is checked against the formulas by hand:
+# d=64, kv=2x16=32, SwiGLU h=96, H=4 heads, V=512, k=4; bf16 (a=2); 3 stages of [2, 1, 1] blocks;
+# 4 microbatches of 2 x 16 tokens (T=32); FSDP degree D=2.
+TINY = [
+    "--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+    "--model.vocab_size", "512", "--model.ffn_hidden_dim", "96", "--protocol.k", "4",
+    "--protocol.table_dtype", "bfloat16", "--protocol.layers_per_stage", "[2, 1, 1]",
+    "--optimizer.name", "adamw", "--parallelism.pipeline_parallel_degree", "3",
+    "--parallelism.pipeline_parallel_microbatch_size", "2",
+    "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "8",
+    "--training.seq_len", "16", "--training.mixed_precision_param", "bfloat16",
+]  # fmt: skip
+# constrained block: wq 64x64, wk and wv 64x32, wo 64x4 (k-wide), w1 and w3 64x96, w2 96x4
+FACTORED_WEIGHTS = 4096 + 2048 + 2048 + 256 + 6144 + 6144 + 384
+STOCK_WEIGHTS = 4096 + 2048 + 2048 + 4096 + 6144 + 6144 + 6144  # wo 64x64, w2 96x64
+NORMS, EMBEDDING, HEAD = 2 * 64, 512 * 4, 64 + 512 * 64  # E is V x k; final norm + LM head
+PARAMS = [
+    EMBEDDING + 2 * (FACTORED_WEIGHTS + NORMS),
+    FACTORED_WEIGHTS + NORMS,
+    STOCK_WEIGHTS + NORMS + HEAD,
+]
+UNSAVED = 2 * (7 * 64 + 2 * 32 + 4 * 96) + 4 * 4  # per token per block without checkpointing
+# selective keeps the block input, attention output, log-sum-exp and the 1st, 3rd, ... matmul
+# outputs: factored wq 64, wv 32, lift 64, w3 96, lift 64; stock wq 64, wv 32, w1 96, w2 64
+KEPT = {
+    "none": (UNSAVED, UNSAVED),
+    "selective": (
+        2 * (2 * 64 + 64 + 32 + 64 + 96 + 64) + 16,
+        2 * (2 * 64 + 64 + 32 + 96 + 64) + 16,
+    ),
+    "full": (2 * 64, 2 * 64),
+}
+# the 2nd, 4th, ... matmuls selective recomputes: factored wk, wo, w1, w2; stock wk, wo, w3
+RECOMPUTED = {"factored": 2048 + 256 + 6144 + 384, "stock": 2048 + 4096 + 6144}
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_memory_and_flops_match_the_closed_forms(ac):
+    config = load_config(None, [*TINY, "--activation_checkpoint", ac], check_environment=False)
+    plans = plan_stages(config)
+    assert [p.params for p in plans] == PARAMS
+    tokens, in_flight = 32, 4
+    blocks, factored = [2, 1, 1], [True, True, False]
+    outputs = [2 * 4, 2 * 4, 2 * 2 * 64]  # c (k=4) kept for the backward; last: norm in and out
+    for s, plan in enumerate(plans):
+        kept = KEPT[ac][0 if factored[s] else 1]
+        recompute = tokens * UNSAVED if ac != "none" else 0
+        logits = 6 * 512 * in_flight * tokens + 8 * 512 * tokens if s == 2 else 0
+        assert plan.memory == {
+            "state 16P/D": 16 * PARAMS[s] / 2,
+            "unsharded": 6 * PARAMS[s],
+            "activations": in_flight * tokens * (blocks[s] * kept + outputs[s]) + recompute,
+            "logits": logits,
+            "F and U": 512 * 64 * 2 + 4 * 64 * 4,
+            "context": GIB,
+        }
+        weights = blocks[s] * (FACTORED_WEIGHTS if factored[s] else STOCK_WEIGHTS)
+        attention = blocks[s] * 4 * 64 * 16 * tokens  # 4 d seq per token per block, forward
+        fwd = 2 * (weights + (512 * 64 if s == 2 else 0)) * tokens + attention
+        extra = {
+            "none": 0,
+            "full": 2 * weights * tokens + attention,
+            "selective": blocks[s]
+            * 2
+            * RECOMPUTED["factored" if factored[s] else "stock"]
+            * tokens,
+        }[ac]
+        assert (plan.fwd_flops, plan.bwd_flops) == (fwd, 2 * fwd + extra)
+        assert plan.total_bytes == pytest.approx(1.10 * sum(plan.memory.values()))
+
+
+def test_1f1b_and_the_chunked_loss_shrink_the_last_stage():
+    config = load_config(
+        None, [*TINY, "--parallelism.pipeline_parallel_schedule", "1F1B"], check_environment=False
+    )
+    plans = plan_stages(config)
+    tokens = 32
+    for plan, in_flight in zip(plans, [3, 2, 1], strict=True):  # min(M, S - s)
+        assert plan.memory["activations"] == in_flight * tokens * (
+            len(plan.layers) * KEPT["none"][plan.stage == 2] + [8, 8, 256][plan.stage]
+        )
+    assert plans[2].memory["logits"] == 6 * 512 * 1 * tokens + 8 * 512 * tokens
+    if not hasattr(ModelArch, "loss_chunk_tokens"):
+        return
+    chunked = load_config(None, [*TINY, "--model.loss_chunk_tokens", "8"], check_environment=False)
+    # one 8-token chunk: bf16 logits, fp32 copy, log-softmax, gradients (2 + 12 B per logit);
+    # the head gradient's fp32 accumulator and its bf16 cast (4 + 2 B per weight)
+    assert plan_stages(chunked)[2].memory["logits"] == 14 * 512 * 8 + 6 * 512 * 64
+
+
+def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
+    config = load_config(None, TINY, check_environment=False)
+    flops = 1e12
+    plans = [StagePlan(s, range(s, s + 1), 0, {}, flops, 2 * flops) for s in range(3)]
+    t = flops / (0.5 * 121e12)
+    stages, microbatches = 3, 4
+    alone = predict_step(config, plans, None, 0.0, mfu=0.5)
+    assert alone["step_s"] == pytest.approx((microbatches + stages - 1) * 3 * t)  # GPipe bubble
+    linked = predict_step(config, plans, 80.0, 50.0, mfu=0.5)
+    w = 8 * 2 * (32 * 4 * 2) / 80e6 + 0.05  # 2 replicas share the link; 32 tokens x k=4 x bf16
+    fwd = 3 * t + 2 * w + 3 * max(t, w)
+    bwd = 3 * 2 * t + 2 * w + 3 * max(2 * t, w)
+    assert linked["step_s"] == pytest.approx(fwd + bwd)
+    assert linked["tokens_per_s"] == pytest.approx(2 * 8 * 16 / (fwd + bwd))
+
+
+def test_proposed_split_is_the_fastest_that_fits():
+    """The dynamic program against brute force over every split, with a memory limit that rules
+    some out."""
+    config = load_config(
+        None,
+        [*TINY, "--model.n_layers", "7", "--protocol.layers_per_stage", "[3, 2, 2]"],
+        check_environment=False,
+    )
+    n_layers, n_mb = 7, 4
+    peak = 121e12 * 0.4
+
+    def cost(s, n):
+        memory, fwd, bwd = stage_cost(config, s, n, stage_params(config, s, n))
+        return n_mb * (fwd + bwd) / peak, 1.10 * sum(memory.values())
+
+    splits = [
+        [a, b, n_layers - a - b]
+        for a in range(1, n_layers)
+        for b in range(1, n_layers - a)
+        if n_layers - a - b >= 1
+    ]
+    largest = sorted({max(cost(s, n)[1] for s, n in enumerate(split)) for split in splits})
+    config.hardware.usable_memory_gib = largest[len(largest) // 2] / GIB
+    fitting = [
+        split
+        for split in splits
+        if max(cost(s, n)[1] for s, n in enumerate(split)) <= largest[len(largest) // 2]
+    ]
+    best = min(
+        (
+            max(cost(s, n)[0] for s, n in enumerate(split)),
+            max(cost(s, n)[1] for s, n in enumerate(split)),
+        )
+        for split in fitting
+    )
+    split, seconds, memory = propose_split(config, 0.4)
+    assert split in fitting
+    assert (seconds, memory) == pytest.approx(best)
+    config.hardware.usable_memory_gib = 1.0  # below the CUDA context: nothing fits
+    assert propose_split(config, 0.4) is None
+    assert _minimax_split(3, 3, lambda s, n: float(n)) == (1.0, [1, 1, 1])

@@ -1,8 +1,9 @@
 """A killed worker costs only the steps since the last checkpoint; bad steps and half-written
-checkpoints never corrupt a run."""
+checkpoints never corrupt a run; a failed run's last line is the rank that failed first."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -112,3 +113,84 @@ def test_non_finite_steps_can_be_skipped(tmp_path):
     assert result.returncode == 2
     assert "non-finite loss or gradient at step 4" in result.stderr
     assert "skipped so far: [2, 3]" in result.stderr
+
+
+def test_first_failing_rank_is_reported_when_the_log_filter_hides_it(tmp_path):
+    """Only rank 0 fails (a device error at step 2); the log filter shows rank 1 alone, whose own
+    error is the "connection closed by peer" that follows. The launcher's last line is rank 0's
+    error, and names the file with rank 0's full output."""
+    from faulty_worker import FAULT
+
+    result = subprocess.run(
+        [sys.executable, "-m", "protocol_models.launch", "--standalone", "--nproc_per_node", "2",
+         "--local-ranks-filter", "1", "--tee", "3", "--log-line-prefix-template", "[rank${rank}]:",
+         str(REPO / "tests" / "faulty_worker.py"), "--toml", str(TINY),
+         "--dump_folder", str(tmp_path / "run"), "--training.steps", "4"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "[rank1]:" in output and "[rank0]:" not in output, "the filter did not hide rank 0"
+    last = result.stderr.strip().splitlines()[-1]
+    prefix = f"error: worker rank 0 exited with code 1: RuntimeError: {FAULT} (its output: "
+    assert last.startswith(prefix), last
+    assert output.count(FAULT) == 1
+    rank0_log = Path(last.removeprefix(prefix).removesuffix(")"))
+    assert rank0_log.name == "stderr.log" and FAULT in rank0_log.read_text()
+
+
+def test_root_cause_is_the_earliest_error_record(tmp_path):
+    """torchelastic's error records carry whole seconds: within one, the earlier file wins; a
+    user error whose own line was shown is not repeated."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from protocol_models.launch import failure_summary
+
+    def failure(local_rank: int, exitcode: int, message: str | None, mtime: float):
+        folder = tmp_path / str(local_rank)
+        folder.mkdir()
+        (folder / "stderr.log").write_text("its full output\n")
+        error_file = folder / "error.json"
+        if message is not None:
+            record = {"message": message, "extraInfo": {"py_callstack": "", "timestamp": "100"}}
+            error_file.write_text(json.dumps({"message": record}))
+            os.utime(error_file, (mtime, mtime))
+        return ProcessFailure(local_rank, 1000 + local_rank, exitcode, str(error_file))
+
+    late = failure(1, 1, "RuntimeError: Connection closed by peer", 100.5)
+    early = failure(0, 1, "RuntimeError: CUDA error", 100.2)
+    error = ChildFailedError("train", {1: late, 0: early})
+    assert error.get_first_failure()[0] == 1  # torchelastic: a tie, first in the dict
+    assert failure_summary(error, {1}) == (
+        f"error: worker rank 0 exited with code 1: RuntimeError: CUDA error "
+        f"(its output: {tmp_path / '0' / 'stderr.log'})"
+    )
+    assert failure_summary(error, None) == (
+        "error: worker rank 0 exited with code 1: RuntimeError: CUDA error"
+    )
+
+    user = failure(2, 2, "StartupError: stages disagree", 100.1)
+    same = failure(3, 2, "StartupError: stages disagree", 100.3)
+    killed = failure(4, -15, None, 0)
+    assert failure_summary(ChildFailedError("train", {2: user, 3: same}), {3}) is None
+    assert failure_summary(ChildFailedError("train", {2: user, 4: killed}), {4}) == (
+        f"error: worker rank 2 exited with code 2: StartupError: stages disagree "
+        f"(its output: {tmp_path / '2' / 'stderr.log'})"
+    )
+
+
+def test_finished_runs_exit_zero(tmp_path):
+    """Short runs through the user's launcher, with and without the link simulator, exit 0 and
+    never abort at interpreter exit after "Training completed" (a finished job must not look
+    failed, or be restarted by MAX_RESTARTS)."""
+    for i in range(4):
+        link = ["--wan.latency_ms", "2"] if i % 2 else []
+        result = subprocess.run(
+            ["bash", "scripts/train.sh", str(TINY), "--dump_folder", str(tmp_path / f"run{i}"),
+             "--training.steps", "2", *link],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-3000:]
+        assert "Training completed" in output
+        assert "terminate called" not in output and "Aborted" not in output

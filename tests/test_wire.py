@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import read_jsonl, torchrun
+
+from protocol_models.subspace import leak_tolerance
 
 # tests/tiny.toml: local_batch_size 4, microbatch 1, seq_len 64, d 64, k 4, fp32
 N_MB, MB, SEQ, DIM, K, FP32 = 4, 1, 64, 64, 4, 4
@@ -34,7 +37,7 @@ def test_invariant_holds_after_training(tmp_path):
         env={"WANDB_MODE": "offline"},
     )  # fmt: skip
     assert len(records) == 20
-    assert all(r["subspace/leak"] < 1e-5 for r in records)
+    assert all(r["subspace/leak"] < leak_tolerance(torch.float32) for r in records)
     assert records[-1]["loss"] < records[0]["loss"]
     # the same metrics reached TensorBoard and an offline wandb run
     assert list((dump / "tb").rglob("events.out.tfevents.*"))

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Start scripts/train.sh once on every node of a SLURM allocation (the sbatch scripts call it):
+#   bash scripts/slurm/train_nodes.sh CONFIG.toml [--section.key value ...]
+# NODE_RANK is each node's position in the node order you give, not SLURM's allocation order
+# (SLURM_NODEID), because TorchTitan puts pipeline stage s on ranks s*D .. s*D+D-1 (D = world /
+# stages): node n holds ranks n*G .. n*G+G-1 (G GPUs per node, from the config via train.sh).
+# The node order, first match wins:
+#   NODES=FILE      one line per node, "hostname [region]" (SLURM node names), node 0 first; the
+#                   region is the node's REGION label (a stage spanning two labels is refused)
+#   SLURM_HOSTFILE  its order (one host per line, as for --distribution=arbitrary)
+#   otherwise       the allocation's node names, sorted
+# Without a region column every node's label is its host name (REGION is unset on the nodes).
+# MASTER_ADDR (the rendezvous) is the first node of the order; MASTER_PORT defaults to 29500.
+# NCCL runs over plain TCP between regions; override any of the NCCL_* defaults below.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+if [ "${1:-}" = "--on-node" ]; then  # one task per node, started by the srun below
+    shift
+    line="$(awk -v host="$SLURMD_NODENAME" '$1 == host { print NR - 1, $2; exit }' <<<"$NODE_ORDER")"
+    if [ -z "$line" ]; then
+        echo "error: node $SLURMD_NODENAME is not in the node order" >&2
+        exit 2
+    fi
+    read -r NODE_RANK region <<<"$line"
+    if [ -n "${region:-}" ]; then export REGION="$region"; else unset REGION; fi
+    echo "node $SLURMD_NODENAME: NODE_RANK=$NODE_RANK of $NNODES," \
+        "REGION=${REGION:-unset (the host name)}, rendezvous $MASTER_ADDR:$MASTER_PORT"
+    export NODE_RANK
+    exec bash scripts/train.sh "$@"
+fi
+
+if [ $# -lt 1 ]; then
+    echo "usage: bash scripts/slurm/train_nodes.sh CONFIG.toml [--section.key value ...]" >&2
+    exit 2
+fi
+allocated="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"
+if [ -n "${NODES:-}" ]; then
+    source="NODES=$NODES"
+    NODE_ORDER="$(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$NODES")"
+elif [ -n "${SLURM_HOSTFILE:-}" ]; then
+    source="SLURM_HOSTFILE=$SLURM_HOSTFILE"
+    NODE_ORDER="$(awk 'NF && !seen[$1]++ { print $1 }' "$SLURM_HOSTFILE")"
+else
+    source="the allocation"
+    NODE_ORDER="$allocated"
+fi
+listed="$(awk '{ print $1 }' <<<"$NODE_ORDER")"
+if [ "$(sort <<<"$listed")" != "$(sort <<<"$allocated")" ]; then
+    echo "error: the node order ($source) lists [$(paste -sd' ' <<<"$listed")] but the job" \
+        "has [$(paste -sd' ' <<<"$allocated")]; list every allocated node once" >&2
+    exit 2
+fi
+
+export NODE_ORDER NNODES="$SLURM_NNODES"
+export MASTER_ADDR="$(head -n 1 <<<"$listed")" MASTER_PORT="${MASTER_PORT:-29500}"
+export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"               # no InfiniBand between regions
+export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}" # any interface but loopback/docker
+export NCCL_SOCKET_NTHREADS="${NCCL_SOCKET_NTHREADS:-4}"     # 4 x 4 TCP streams per peer fill
+export NCCL_NSOCKS_PERTHREAD="${NCCL_NSOCKS_PERTHREAD:-4}"   # a long, high-latency link
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3                     # a dead peer aborts, then restarts
+echo "node order ($source): $(paste -sd' ' <<<"$listed"); rendezvous $MASTER_ADDR:$MASTER_PORT"
+# (srun does not inherit sbatch's --cpus-per-task since SLURM 22.05: pass it on)
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} \
+    bash scripts/slurm/train_nodes.sh --on-node "$@"

@@ -1,0 +1,95 @@
+"""Test probe, loaded into every worker through ``PYTHONPATH`` by ``test_devices.py``.
+
+On a GPU run TorchTitan's process groups are NCCL-only, so a tensor that enters a collective on
+another device than the training device fails there. On CPU every tensor is a CPU tensor, so the
+probe makes the mistake visible: the plugin's methods that build tensors for collectives run
+with ``meta`` as the default device, so a tensor created without an explicit device lands on
+``meta`` instead of the training device. Every ``torch.distributed`` collective is wrapped and
+checks the devices of its tensors; a collective called directly by plugin code outside those
+methods is flagged too (so a new call site cannot escape the probe). Violations are appended to
+``$COLLECTIVE_PROBE_LOG`` and raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import protocol_models.grassmann
+import protocol_models.metrics
+import protocol_models.optimizers
+import protocol_models.stage
+
+SCOPED = {
+    protocol_models.metrics.ProtocolMetricsProcessor: ("_from_last_stage", "_wire_metrics"),
+    protocol_models.optimizers.GuardedOptimizers: ("_gradients_finite",),
+    protocol_models.grassmann.SubspaceTracker: ("_update",),
+    protocol_models.stage.WirePipelineStage: (
+        "get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops",
+    ),
+}  # fmt: skip
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "send", "recv", "batch_isend_irecv")  # fmt: skip
+"""(``isend``/``irecv`` stay unwrapped: ``P2POp`` checks their identity; the pipeline's
+point-to-point ops are checked in ``batch_isend_irecv``.)"""
+PLUGIN_DIR = os.path.dirname(protocol_models.metrics.__file__)
+scoped_names = {name for names in SCOPED.values() for name in names}
+
+
+def _report(message: str) -> None:
+    with open(os.environ["COLLECTIVE_PROBE_LOG"], "a") as f:
+        f.write(message + "\n")
+    raise RuntimeError(f"collective probe: {message}")
+
+
+def _scoped(method):
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.device("meta"):
+            return method(*args, **kwargs)
+
+    return run
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    found = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, dist.P2POp):
+            found.append(arg.tensor)
+        elif isinstance(arg, list | tuple):
+            found.extend(_tensors(arg))
+    return found
+
+
+def _checked(name, collective):
+    @functools.wraps(collective)
+    def run(*args, **kwargs):
+        device = torch.device(os.environ.get("COLLECTIVE_PROBE_DEVICE", "cpu"))
+        for t in _tensors([*args, *kwargs.values()]):
+            if t.device.type != device.type:
+                _report(f"dist.{name} got a tensor on {t.device}, training device {device}")
+        caller = sys._getframe(1)
+        if caller.f_code.co_filename.startswith(PLUGIN_DIR):
+            stack, frame = [], caller
+            while frame is not None:
+                stack.append(frame.f_code.co_name)
+                frame = frame.f_back
+            if not scoped_names & set(stack):
+                _report(f"dist.{name} called by plugin code outside the probed methods: "
+                        f"{caller.f_code.co_filename}:{caller.f_lineno}")  # fmt: skip
+        return collective(*args, **kwargs)
+
+    return run
+
+
+for cls, names in SCOPED.items():
+    for method_name in names:
+        setattr(cls, method_name, _scoped(getattr(cls, method_name)))
+for collective_name in COLLECTIVES:
+    setattr(dist, collective_name, _checked(collective_name, getattr(dist, collective_name)))
