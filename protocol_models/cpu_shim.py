@@ -75,13 +75,17 @@ def install() -> str:
 
 def check_device(requested: str, bound: str) -> None:
     """Refuse a run whose ``[hardware] device`` (``requested``) is not the device TorchTitan
-    was bound to at import (``bound``), with one line naming the cause and the fix."""
+    was bound to at import (``bound``), with one line naming the cause and the fix. A CPU config
+    checked on a GPU machine outside a worker (the config check, ``gpu_check``'s parent) passes:
+    ``scripts/train.sh`` binds its workers to the CPU."""
     if requested == bound:
         return
     if requested == "cpu":
+        if "LOCAL_RANK" not in os.environ:
+            return  # a config check or planner process: it trains nothing
         raise ConfigError(
-            f"hardware.device = 'cpu', but this process bound TorchTitan to {bound!r}: launch "
-            f"with scripts/train.sh, or set {DEVICE_ENV}=cpu in the workers' environment"
+            f"hardware.device = 'cpu', but this worker bound TorchTitan to {bound!r}: set "
+            f"{DEVICE_ENV}=cpu in the workers' environment (scripts/train.sh does)"
         )
     raise ConfigError(
         f"hardware.device = {requested!r}, but {_cuda_problem()}; fix that, or set "

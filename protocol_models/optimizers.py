@@ -153,7 +153,7 @@ class SubspaceAdamW(torch.optim.AdamW):
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(weight, dtype=torch.float32)
             state["exp_avg_sq_shared"] = torch.zeros(
-                weight.shape[1 - feature_axis], dtype=torch.float32
+                weight.shape[1 - feature_axis], dtype=torch.float32, device=weight.device
             )
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]

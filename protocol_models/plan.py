@@ -51,7 +51,8 @@ Compute, FLOPs per step on one GPU of the stage, ``B = local_batch_size x seq_le
 embedding is a lookup), plus ``12 L d seq B`` for the attention of its ``L`` blocks (QK^T and AV,
 forward and backward, without the causal half, as TorchTitan counts MFU), plus the recompute:
 ``full`` repeats the blocks' forward (``2 W_blocks B + 4 L d seq B``), ``selective`` the matmuls
-it does not save (``2 W_recomputed B``). Not counted: norms, RoPE and the k-wide U lifts
+it does not save (``2 W_recomputed B``), and with ``loss_chunk_tokens`` the last stage's logits
+again in the backward (``2 V d B``). Not counted: norms, RoPE and the k-wide U lifts
 (< 0.2%), the lossy codecs. Seconds = FLOPs / (``--mfu`` x ``[hardware] peak_tflops``); the
 forward is ``2 W T + 4 L d seq T`` per microbatch, the backward the rest.
 
@@ -62,7 +63,8 @@ one replica's messages pay the latency one after another, as ``protocol_models.l
 A pass over servers with per-microbatch times ``t_i`` takes ``sum(t_i) + (M - 1) max(t_i)``:
 with no link and equal stages, ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
 Step = forward pass + backward pass (1F1B has the same bubble and is predicted alike). FSDP's
-collectives inside a region and the optimizer step are not counted.
+collectives inside a region, the gradient-norm and non-finite-check all-reduces (latency-bound,
+once per step) and the optimizer step are not counted.
 
 Proposed split: over the ``layers_per_stage`` whose every stage fits, the one with the smallest
 busiest-stage compute time per step (a stage's blocks are constrained unless it is the last;
@@ -217,6 +219,8 @@ def stage_cost(
     matmul_weights = n_blocks * weights + (v * d if last else 0)
     attention = n_blocks * 4 * d * seq * tokens
     fwd = 2 * matmul_weights * tokens + attention
+    if last and getattr(arch, "loss_chunk_tokens", 0):
+        recompute_flops += 2 * v * d * tokens  # the chunked loss recomputes the logits
     return memory, fwd, 2 * fwd + recompute_flops
 
 

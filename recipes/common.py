@@ -48,6 +48,9 @@ def train(
         check=True,
     )
     nproc = nproc or int(check.stdout.split("nproc=")[1].split()[0])
+    env = dict(env or os.environ)
+    if "device=cpu" in check.stdout.split():
+        env["PROTOCOL_MODELS_DEVICE"] = "cpu"  # as scripts/train.sh does, on a GPU machine too
     cmd = [
         sys.executable,
         "-m",
@@ -64,9 +67,7 @@ def train(
         *overrides,
     ]
     with open(dump_folder / "run.log", "w") as log:
-        result = subprocess.run(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env or os.environ
-        )
+        result = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if result.returncode != 0:
         raise RuntimeError(
             f"run failed ({result.returncode}): {' '.join(cmd)}; see {dump_folder}/run.log"

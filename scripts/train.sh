@@ -7,6 +7,8 @@
 #   NODE_RANK     this node's place, 0..NNODES-1: node n gets global ranks n*NGPU .. n*NGPU+NGPU-1
 #                 and TorchTitan puts pipeline stage s on ranks s*D .. s*D+D-1 (D = world / stages)
 #   MASTER_ADDR, MASTER_PORT  c10d rendezvous endpoint (any node reachable by all; port 29500)
+#   LOCAL_ADDR    the address other nodes reach this node by (default on node 0: MASTER_ADDR,
+#                 where the workers' store is announced; elsewhere torch's default, the FQDN)
 #   REGION        this node's region label (default: its host name); a stage whose data-parallel
 #                 group spans two labels is refused at start-up
 #   LOG_RANK      local ranks whose output is shown (default: the last one, where the loss lives);
@@ -41,6 +43,11 @@ if [ "$NNODES" -eq 1 ]; then
 else
     rdzv=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK}" --rdzv_backend c10d
           --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}")
+    # the workers' store runs on node 0 and is announced by this address (torch's default is
+    # the host's FQDN, which other regions may not resolve)
+    local_addr="${LOCAL_ADDR:-}"
+    if [ -z "$local_addr" ] && [ "$NODE_RANK" = 0 ]; then local_addr="$MASTER_ADDR"; fi
+    if [ -n "$local_addr" ]; then rdzv+=(--local-addr "$local_addr"); fi
 fi
 exec "$PYTHON" -m protocol_models.launch "${rdzv[@]}" --nproc_per_node "$NGPU" \
     --max-restarts "${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --tee 3 \

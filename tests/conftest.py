@@ -38,7 +38,7 @@ def torchrun(
     ]  # fmt: skip
     result = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "PROTOCOL_MODELS_DEVICE": "cpu", **(env or {})},
     )  # fmt: skip
     assert result.returncode == 0, (
         f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"

@@ -58,3 +58,21 @@ def test_errors_name_the_key(overrides, message):
         load_config(DEBUG, overrides)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_no_silent_cpu_fallback(monkeypatch):
+    """A GPU config on a machine without usable CUDA is refused with the driver's reason; a CPU
+    config is accepted, and refused only in a worker that TorchTitan bound to the GPU."""
+    from protocol_models.cpu_shim import check_device
+
+    monkeypatch.delenv("PROTOCOL_MODELS_DEVICE", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"hardware.device = 'cuda', but CUDA is unusable: .*driver"
+    ):
+        check_device("cuda", "cpu")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    check_device("cpu", "cuda")  # the config check on a GPU login node: trains nothing
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ConfigError, match="PROTOCOL_MODELS_DEVICE=cpu"):
+        check_device("cpu", "cuda")
+    check_device("cpu", "cpu")
