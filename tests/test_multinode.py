@@ -175,7 +175,9 @@ def test_slurm_nodes_are_numbered_in_the_order_given(tmp_path):
     ):
         assert got[host][0] == region
         assert got[host][1].startswith(
-            f"--nnodes 4 --node_rank {rank} --rdzv_backend c10d --rdzv_endpoint n3:29500 --nproc_per_node 1 "
+            f"--nnodes 4 --node_rank {rank} --rdzv_backend c10d --rdzv_endpoint n3:29500 "
+            + ("--local-addr n3 " if rank == 0 else "")  # node 0 announces the workers' store
+            + "--nproc_per_node 1 "
         )
         config = REPO / "configs" / "llama3_2b_protocol.toml"
         assert got[host][1].endswith(f"--toml {config} --training.steps 5")
