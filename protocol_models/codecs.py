@@ -1,4 +1,4 @@
-"""Lossy boundary codecs -- the baselines the subspace codec is compared with (METHOD §9).
+"""Lossy boundary codecs -- the baselines the subspace codec is compared with.
 
 Selected by ``[protocol] mode`` (``topk``, ``quant``, ``lowrank``, ``svd``) with parameters in the
 TOML table ``[codec]``; every lossy mode trains the **unconstrained dense** model (no U, no F) and

@@ -1,6 +1,6 @@
-"""Synchronized subspace updates: U moves on the Grassmann manifold Gr(k, d) (METHOD §7).
+"""Synchronized subspace updates: U moves on the Grassmann manifold Gr(k, d).
 
-Objective (METHOD §7.1 **G1**, loss descent): U is treated as a parameter shared by every
+Objective (**G1**, loss descent): U is treated as a parameter shared by every
 constrained writer and the embedding. Its Euclidean gradient ``G = dL/dU`` ``[d, k]`` is what
 autograd accumulates in ``basis.grad`` through the lifts ``a @ U^T`` and ``E_k @ U^T`` (factor
 parametrization; the codec uses a detached U, whose contributions cancel while the invariant
@@ -20,7 +20,7 @@ so the largest principal angle between U and U' is exactly ``update_angle_deg`` 
 step: the scale of G depends on the loss and the window, the angle does not). U' is computed in
 float64, cast to fp32 and broadcast from rank 0: every stage switches to bit-identical values.
 
-Re-expression (METHOD §7.3, ``R = U'^T U`` ``[k, k]``): every weight is re-projected onto the new
+Re-expression (``R = U'^T U`` ``[k, k]``): every weight is re-projected onto the new
 subspace, ``W <- U' U'^T W``. Factor parametrization: ``A <- R A``, ``E_k <- E_k R^T``, Adam and
 Muon first moments rotate alike, Adam's second moment ``v <- (R*R) v`` (elementwise squares: the
 usual heuristic, exact when R is a signed permutation). Full width: ``W <- U'U'^T W``,

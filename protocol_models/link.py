@@ -1,6 +1,6 @@
 """A slow-link simulator at the pipeline stage's send/recv hooks (TOML table ``[wan]``).
 
-The model is ProtocolNanoGPT's (METHOD §8.1), receiver-side and schedule-agnostic:
+The model is ProtocolNanoGPT's, receiver-side and schedule-agnostic:
 
 * each rank has **one inbound wire**, shared by forward activations (from rank - 1) and backward
   gradients (from rank + 1);

@@ -3,7 +3,7 @@
 Two parametrizations of the residual writers upstream of the last boundary (the attention output
 projection ``wo``, the MLP down projection ``w2`` and the token embedding):
 
-* ``factor`` (METHOD §4 variant A, ``W = U A``, used with ``adamw`` and ``muon``): ``wo``/``w2``
+* ``factor`` (variant A, ``W = U A``, used with ``adamw`` and ``muon``): ``wo``/``w2``
   are stock TorchTitan ``Linear`` layers with ``out_features = k`` -- their weights *are* the
   factors ``A`` ``[k, in]`` -- and the block lifts their output into the stream with ``@ U.T``.
   The trainable embedding is ``E`` ``[V, k]`` and the stream starts as

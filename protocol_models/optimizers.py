@@ -6,15 +6,15 @@ Each keeps every boundary exact; the dense twin of each runs the same rule on th
   writers, so every update stays in span(U) by construction);
 * ``muon``: Muon -- Nesterov momentum orthogonalized by a Newton-Schulz iteration -- on the 2-D
   block weights (attention and MLP projections, including the factors ``A``), AdamW on the
-  embedding, head and norms (METHOD §6.2). Newton-Schulz is an odd matrix polynomial, so for
+  embedding, head and norms. Newton-Schulz is an odd matrix polynomial, so for
   orthonormal ``U``: ``NS(U Y) = U NS(Y)``: Muon on ``A`` is exactly Muon with projected
   gradients on ``W = U A`` and never leaves the subspace. The dense twin gets the same split;
-* ``adamw_rowwise`` (full-width writers, METHOD §6.1): the paper's modified AdamW. On each
+* ``adamw_rowwise`` (full-width writers): the paper's modified AdamW. On each
   constrained weight the gradient is projected into span(U) and the second moment is one scalar
   per input column of ``W`` ``[d, in]`` (per token row of ``E`` ``[V, d]``): every column of the
   step is a span(U) vector divided by a scalar. Other parameters: AdamW. Dense twin: the same
   row-constant second moment on the same matrices, without the projection;
-* ``adamw_project`` (full-width writers, METHOD §4 variant B): stock AdamW, then
+* ``adamw_project`` (full-width writers, variant B): stock AdamW, then
   ``W <- U U^T W`` and ``E <- E U U^T`` after every step. Dense twin: AdamW.
 """
 
@@ -140,7 +140,7 @@ class SubspaceAdamW(torch.optim.AdamW):
                     project_(local_matrix(p), basis, self.constrained[p])
 
     def _rowwise_update(self, p: torch.nn.Parameter, group: dict) -> None:
-        """One step of METHOD §6.1 on ``p`` (writer ``[d, in]``: v per column ``i``; embedding
+        """One row-wise step on ``p`` (writer ``[d, in]``: v per column ``i``; embedding
         ``[V, d]``: v per row)."""
         kind, basis = self.constrained[p], self.basis_fn()
         weight, grad = local_matrix(p), local_matrix(p.grad).float()

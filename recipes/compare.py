@@ -1,4 +1,4 @@
-"""Codec comparison (issue #4): every boundary codec at matched compression ratios.
+"""Codec comparison: every boundary codec at matched compression ratios.
 
     python recipes/compare.py                 # full study: 18 runs, 1 h 46 min on a 2-core CPU
     python recipes/compare.py --quick         # tiny model, few steps: checks the harness (~1 min)
@@ -44,7 +44,7 @@ from protocol_models.codecs import build_codec
 from protocol_models.config import load_config
 
 OPTIMIZER = "muon"
-"""The one optimizer of every arm (issue #3's choice): Muon on all block matrices."""
+"""The one optimizer of every arm (the subspace ablation's best): Muon on all block matrices."""
 QUICK_TOML = REPO / "tests" / "tiny.toml"
 QUICK = ["--protocol.stages", "2", "--training.steps", "12", "--validator.enable",
          "--validator.freq", "4", "--validator.steps", "2"]  # fmt: skip
