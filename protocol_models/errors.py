@@ -15,3 +15,7 @@ class StartupError(UserError):
 
 class NonFiniteError(UserError):
     """A non-finite loss or gradient norm stopped the run (the last good checkpoint is kept)."""
+
+
+class DataMismatchError(UserError):
+    """The pipeline stages of a replica trained on different token ids (found at a log step)."""

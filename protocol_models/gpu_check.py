@@ -107,7 +107,7 @@ def summarize(config, records: list[dict]) -> tuple[str, bool]:
         f"{steady[0]['step']}-{steady[-1]['step']})"
     )
     lines.append(
-        f"data: {config.dataloader.dataset!r} delivered {len(records)} steps x "
+        f"data: {config.dataloader.describe()} delivered {len(records)} steps x "
         f"{training.local_batch_size} x {training.seq_len} tokens per data-parallel rank"
     )
     if not fits:

@@ -26,6 +26,7 @@ from torchtitan.components.metrics import (
 )
 from torchtitan.tools.utils import device_module, get_local_device
 
+from protocol_models.errors import DataMismatchError
 from protocol_models.link import SimulatedLink
 from protocol_models.stage import WireMeter
 
@@ -88,6 +89,37 @@ class ConfiguredWandbLogger(WandBLogger):
         )
 
 
+class IdsChecksum:
+    """An order-sensitive checksum of the token ids a rank trained on since the last log step,
+    kept on the training device (int64 arithmetic wraps; no host read until it is popped)."""
+
+    MIX = 1_000_003
+    """Multiplies the running value before each microbatch is added (order matters)."""
+
+    def __init__(self) -> None:
+        self._total: torch.Tensor | None = None
+        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def add(self, ids: torch.Tensor) -> None:
+        """Fold in one microbatch ``[mb, seq]`` of token ids."""
+        weights = self._weights_for(ids.shape[-1], ids.device)
+        value = (ids.to(torch.int64) * weights).sum()
+        self._total = value if self._total is None else self._total * self.MIX + value
+
+    def pop(self) -> torch.Tensor | None:
+        """The checksum since the last pop (a 0-dim int64 device tensor), or None."""
+        total, self._total = self._total, None
+        return total
+
+    def _weights_for(self, seq: int, device: torch.device) -> torch.Tensor:
+        """Distinct odd weights per position ``[seq]`` (a position-sensitive sum)."""
+        key = (seq, device)
+        if key not in self._weights:
+            positions = torch.arange(1, seq + 1, dtype=torch.int64, device=device)
+            self._weights[key] = (positions * 2_654_435_761) % (2**31 - 1) * 2 + 1
+        return self._weights[key]
+
+
 class ProtocolMetricsProcessor(MetricsProcessor):
     """Adds ``wire/*``, ``wan/*`` and ``subspace/leak`` to every log step, a JSONL sink, and
     wandb settings from TOML."""
@@ -109,6 +141,9 @@ class ProtocolMetricsProcessor(MetricsProcessor):
     subspace = None
     """Set by the trainer when subspace updates are on: ``subspace/update_angle_deg`` (of the
     latest update), ``subspace/updates`` and ``subspace/orthonormality``."""
+    ids_checksum: IdsChecksum | None = None
+    """Set by the trainer: fed every training microbatch's token ids; checked across the
+    pipeline group and logged as ``data/ids_checksum`` at every log step."""
 
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, **kwargs):
         base = super()._build_metric_logger(
@@ -141,6 +176,7 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         loss, max_loss = self._from_last_stage([global_avg_loss, global_max_loss])
         metrics = dict(extra_metrics or {})
         metrics.update(self._wire_metrics())
+        metrics.update(self._data_metrics(step))
         if self.subspace is not None:
             metrics.update(self.subspace.metrics())
         super().log(step, loss, max_loss, grad_norm, extra_metrics=metrics)
@@ -207,6 +243,30 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         if self.link is not None:
             metrics["wan/wait_s"], metrics["wan/wire_s"] = sums[-2:]
         return metrics
+
+    def _data_metrics(self, step: int) -> dict[str, int]:
+        """``data/ids_checksum``: the checksum of the ids trained on since the previous log
+        step (the low 24 bits, exact in any logger). The pipeline stages of a replica must
+        agree on all 64 bits -- ids never cross the wire, so each stage reads its own copy of
+        the data -- or the run stops with ``DataMismatchError``."""
+        checksum = self.ids_checksum.pop() if self.ids_checksum is not None else None
+        if checksum is None:
+            return {}
+        group = self._pp_group()
+        if group is not None:
+            extremes = torch.stack([checksum, -checksum])
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            high, neg_low = extremes.tolist()
+            if high != -neg_low:
+                raise DataMismatchError(
+                    f"the pipeline stages of a replica trained on different token ids before step "
+                    f"{step} (checksums {-neg_low} .. {high}); every node must read the same "
+                    "[dataloader] files in the same order with the same tokenizer (hf_assets_path)"
+                )
+            value = high
+        else:
+            value = int(checksum)
+        return {"data/ids_checksum": value % 2**24}
 
 
 def _peak_memory_bytes() -> float:

@@ -16,7 +16,6 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from protocol_models import data
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
 
@@ -58,7 +57,6 @@ def run(toml_path: str | None, overrides: list[str]) -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
-    data.register_datasets()
     trainer = config.build()
     try:
         if config.checkpoint.create_seed_checkpoint:

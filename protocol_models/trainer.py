@@ -3,7 +3,8 @@
 * The ``ModelSpec`` is derived from the config's ``[model]`` and ``[protocol]`` tables, with the
   plugin's pipelining function bound to this trainer's wire meter.
 * Token ids reach every pipeline stage as the forward kwarg ``token_ids``: every rank of a
-  pipeline group reads the same microbatches, so ids never cross the wire.
+  pipeline group reads the same microbatches, so ids never cross the wire (a checksum of them is
+  compared across the stages at every log step).
 * With the causal ``sdpa`` backend, the dataloader's per-document ``positions`` are dropped so
   RoPE sees the same packed-sequence positions the causal mask uses.
 * With ``[model] loss_chunk_tokens``, the labels reach every stage as the kwarg ``labels``; the
@@ -28,11 +29,12 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from protocol_models.codecs import LOSSY_MODES, CodecSettings, build_codec
+from protocol_models.data import TextDataLoader
 from protocol_models.errors import StartupError
 from protocol_models.grassmann import SubspaceTracker
 from protocol_models.link import LinkSettings, SimulatedLink
 from protocol_models.loss import ModelLoss
-from protocol_models.metrics import ProtocolMetricsProcessor
+from protocol_models.metrics import IdsChecksum, ProtocolMetricsProcessor
 from protocol_models.model import (
     ModelArch,
     ProtocolSettings,
@@ -105,6 +107,11 @@ class ProtocolTrainer(Trainer):
         wan: LinkSettings = field(default_factory=LinkSettings)
         hardware: HardwareSettings = field(default_factory=HardwareSettings)
         codec: CodecSettings = field(default_factory=CodecSettings)
+        dataloader: TextDataLoader.Config = field(default_factory=TextDataLoader.Config)
+        hf_assets_repo: str = ""
+        """The Hub repository the tokenizer in ``hf_assets_path`` comes from; a missing
+        tokenizer is refused with the command that fetches it
+        (``python -m protocol_models.assets``)."""
 
         @property
         def layout_stages(self) -> int:
@@ -134,6 +141,7 @@ class ProtocolTrainer(Trainer):
         super().__init__(config)
         self.metrics_processor.wire_meter = self.wire_meter
         self.metrics_processor.link = self.link
+        self.metrics_processor.ids_checksum = IdsChecksum()
         self.check_stages_agree()
         bind_subspace(self.optimizers, self.model_parts)
         protocol = config.protocol
@@ -238,6 +246,7 @@ class ProtocolTrainer(Trainer):
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
+        self.metrics_processor.ids_checksum.add(inputs)
         return inputs, labels, add_protocol_kwargs(inputs, labels, extra, self.model_config)
 
     def train_step(self, data_iterator):

@@ -31,8 +31,9 @@ nproc="$(sed -n 's/^nproc=//p' <<<"$check")"
 if grep -q '^device=cpu' <<<"$check"; then
     export PROTOCOL_MODELS_DEVICE=cpu   # bind TorchTitan to the CPU even where a GPU exists
 fi
-if grep -q '^bundled_data=1' <<<"$check"; then
-    "$PYTHON" -m protocol_models.data >/dev/null
+if grep -q '^prepare_data=1' <<<"$check"; then
+    # the bundled data and the token ids of a map-style corpus, made once (per node) here
+    "$PYTHON" -m protocol_models.data --toml "$config" "$@" | sed 's/^/data: /' || exit 2
 fi
 
 NNODES="${NNODES:-1}"

@@ -17,9 +17,9 @@ TINY = REPO / "tests" / "tiny.toml"
 @pytest.fixture(scope="session", autouse=True)
 def bundled_data():
     """The Shakespeare data and tokenizer, prepared once (a no-op when already there)."""
-    from protocol_models import data
+    from protocol_models import shakespeare
 
-    return data.prepare(REPO / ".cache" / "shakespeare")
+    return shakespeare.prepare(REPO / shakespeare.DEFAULT_CACHE)
 
 
 def torchrun(

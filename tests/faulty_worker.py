@@ -1,7 +1,12 @@
-"""Worker entry for a test: ``protocol_models.train``, except that global rank 0 fails at step 2
-with a device error, as a GPU with a hardware fault would (nothing on CPU fails on one rank only).
+"""Worker entry for a test: ``protocol_models.train`` with one fault injected, chosen by the
+environment variable ``FAULT`` (nothing on CPU fails on one rank only):
 
-    torchrun ... tests/faulty_worker.py --toml FILE [--section.key value ...]
+* ``device`` (default): global rank 0 fails at step 2 with a device error, as a GPU with a
+  hardware fault would;
+* ``data``: global rank 1 trains on shifted token ids, as a node with another copy of the data
+  would.
+
+    FAULT=... torchrun ... tests/faulty_worker.py --toml FILE [--section.key value ...]
 """
 
 from __future__ import annotations
@@ -16,14 +21,24 @@ def main() -> int:
     from protocol_models import train
     from protocol_models.trainer import ProtocolTrainer
 
-    train_step = ProtocolTrainer.train_step
+    if os.environ.get("FAULT", "device") == "data":
+        post_dataloading_process = ProtocolTrainer.post_dataloading_process
 
-    def faulty_train_step(self: ProtocolTrainer, data_iterator):
-        if os.environ.get("RANK") == "0" and self.step == 2:
-            raise RuntimeError(FAULT)
-        return train_step(self, data_iterator)
+        def other_data(self: ProtocolTrainer, input_dict, labels):
+            if os.environ.get("RANK") == "1":
+                input_dict["input"] = input_dict["input"].roll(1, dims=-1)
+            return post_dataloading_process(self, input_dict, labels)
 
-    ProtocolTrainer.train_step = faulty_train_step
+        ProtocolTrainer.post_dataloading_process = other_data
+    else:
+        train_step = ProtocolTrainer.train_step
+
+        def faulty_train_step(self: ProtocolTrainer, data_iterator):
+            if os.environ.get("RANK") == "0" and self.step == 2:
+                raise RuntimeError(FAULT)
+            return train_step(self, data_iterator)
+
+        ProtocolTrainer.train_step = faulty_train_step
     return train.main()
 
 

@@ -26,8 +26,13 @@ CASES = {
     "unknown optimizer": (["--optimizer.name", "sgd"], "optimizer.name"),
     "negative bandwidth": (["--wan.bandwidth_mbps", "-5"], "wan.bandwidth_mbps"),
     "per-boundary list of wrong length": (["--wan.latency_ms_per_boundary", "[10, 20]"], "wan.latency_ms_per_boundary"),
-    "missing dataset path": (["--dataloader.dataset_path", "/nonexistent/shakespeare"], "dataloader.dataset_path"),
-    "unknown dataset": (["--dataloader.dataset", "c5"], "dataloader.dataset"),
+    "missing data file": (["--dataloader.files", "/nonexistent/corpus.jsonl"], "dataloader.files"),
+    "empty glob": (["--dataloader.files", "/nonexistent/*.parquet"], "dataloader.files"),
+    "unsupported file format": (["--dataloader.files", "README.md"], "dataloader.files"),
+    "missing text field": (["--dataloader.text_field", "body"], "dataloader.text_field"),
+    "two corpora": (["--dataloader.hf_dataset", "allenai/c4"], "dataloader.files"),
+    "validation without validation data": (["--dataloader.validation_files", ""], "validator.enable"),
+    "TorchTitan's dataset names": (["--dataloader.dataset", "c4"], "dataloader.dataset"),
     "tokenizer larger than the model vocabulary": (["--model.vocab_size", "4096"], "model.vocab_size"),
     "missing tokenizer": (["--hf_assets_path", "/nonexistent/tokenizer"], "hf_assets_path"),
     "unwritable dump folder": (["--dump_folder", "/proc/protocol_models_run"], "dump_folder"),
@@ -57,6 +62,21 @@ def _assert_refused(args: list[str], key: str, toml=DEBUG) -> str:
     assert "Traceback" not in result.stdout + result.stderr
     assert "Mbit" not in result.stdout and "step:" not in result.stdout, "a worker started"
     return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("empty.jsonl", b""), ("corrupt.parquet", b"PAR1 this is not a parquet file PAR1"),
+     ("broken.jsonl", b'{"text": "unterminated\n')],
+)  # fmt: skip
+def test_unreadable_data_file_is_refused(tmp_path, name, content):
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    line = _assert_refused(
+        ["--dump_folder", str(tmp_path / "dump"), "--dataloader.files", str(bad)],
+        "dataloader.files",
+    )
+    assert str(bad) in line
 
 
 def test_resume_with_a_different_k_is_refused(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from conftest import REPO
 
@@ -76,3 +78,28 @@ def test_no_silent_cpu_fallback(monkeypatch):
     with pytest.raises(ConfigError, match="PROTOCOL_MODELS_DEVICE=cpu"):
         check_device("cpu", "cuda")
     check_device("cpu", "cpu")
+
+
+@pytest.mark.parametrize(
+    ("toml", "repo"),
+    [("llama3_2b_protocol", "openai-community/gpt2"), ("llama3_2b_dense", "openai-community/gpt2"),
+     ("llama3_8b_protocol", "meta-llama/Llama-3.1-8B"), ("llama3_8b_dense", "meta-llama/Llama-3.1-8B")],
+)  # fmt: skip
+def test_production_configs_start_once_the_tokenizer_is_fetched(
+    tmp_path, monkeypatch, capsys, toml, repo
+):
+    """Before the fetch: one line naming the command that fetches the config's tokenizer. After
+    it (a tokenizer.json in hf_assets_path, here the bundled one standing in): the check passes.
+    (On this CPU machine the check runs with hardware.device = 'cpu'; the Hub is not asked.)"""
+    from protocol_models.config import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assets = tmp_path / "assets"
+    args = ["--toml", str(REPO / "configs" / f"{toml}.toml"), "--hardware.device", "cpu",
+            "--hf_assets_path", str(assets), "--dump_folder", str(tmp_path / "run")]  # fmt: skip
+    assert main(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith(f"fetch it with: python -m protocol_models.assets {repo} --dest {assets}")
+    shutil.copytree(REPO / ".cache" / "shakespeare" / "tokenizer", assets)
+    assert main(args) == 0
+    assert "nproc=" in capsys.readouterr().out

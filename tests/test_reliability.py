@@ -15,6 +15,7 @@ from pathlib import Path
 from conftest import REPO, TINY, read_jsonl, torchrun
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+STREAMED = ["--dataloader.streaming"]  # the bundled corpus read as a stream: HF's resume state
 
 
 def _children(pid: int) -> list[int]:
@@ -30,13 +31,15 @@ def _children(pid: int) -> list[int]:
 
 
 def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
-    reference = torchrun(2, tmp_path / "reference", "--training.steps", "20", *CKPT)
+    """Killed after step 12, the run resumes from the step-10 checkpoint with the streamed data
+    at the exact next batch: every step's ids and loss equal an uninterrupted run's."""
+    reference = torchrun(2, tmp_path / "reference", "--training.steps", "20", *CKPT, *STREAMED)
 
     dump = tmp_path / "killed"
     cmd = [
         sys.executable, "-m", "protocol_models.launch", "--standalone", "--nproc_per_node", "2",
         "--max-restarts", "1", "-m", "protocol_models.train", "--toml", str(TINY),
-        "--dump_folder", str(dump), "--training.steps", "20", *CKPT,
+        "--dump_folder", str(dump), "--training.steps", "20", *CKPT, *STREAMED,
     ]  # fmt: skip
     launcher = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -65,6 +68,9 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
     assert "Training starts at step 11" in output, "did not resume from the step-10 checkpoint"
     resumed = read_jsonl(dump / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, 21))
+    checksums = [r["data/ids_checksum"] for r in reference]
+    assert len(set(checksums)) == 20, "the checksum cannot tell the batches apart"
+    assert [r["data/ids_checksum"] for r in resumed] == checksums
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
 
 

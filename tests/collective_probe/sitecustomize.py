@@ -25,7 +25,11 @@ import protocol_models.optimizers
 import protocol_models.stage
 
 SCOPED = {
-    protocol_models.metrics.ProtocolMetricsProcessor: ("_from_last_stage", "_wire_metrics"),
+    protocol_models.metrics.ProtocolMetricsProcessor: (
+        "_from_last_stage",
+        "_wire_metrics",
+        "_data_metrics",
+    ),
     protocol_models.optimizers.GuardedOptimizers: ("_gradients_finite",),
     protocol_models.grassmann.SubspaceTracker: ("_update",),
     protocol_models.stage.WirePipelineStage: (
