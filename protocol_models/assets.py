@@ -28,6 +28,7 @@ is reported after huggingface_hub's own retries (about 25 s). ``HF_ENDPOINT`` (a
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -80,10 +81,31 @@ def fetch_tokenizer(
     try:
         files = download(repo_id, staging, dest, token, revision)
         verify(staging / REQUIRED, repo_id, dest)
+        if name_separator(staging) and OPTIONAL[0] not in files:
+            files.append(OPTIONAL[0])
         install(staging, files, dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def name_separator(folder: Path) -> str | None:
+    """When ``tokenizer_config.json`` names no EOS token but the tokenizer has exactly one
+    special token (GPT-2's ``<|endoftext|>``, which transformers' GPT-2 class uses for BOS and
+    EOS without the repository saying so), name it as ``bos_token`` and ``eos_token`` there, so
+    that TorchTitan separates documents with it. Returns the token it named, else None."""
+    config_path = folder / OPTIONAL[0]
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if config.get("eos_token"):
+        return None
+    added = Tokenizer.from_file(str(folder / REQUIRED)).get_added_tokens_decoder().values()
+    special = [t.content for t in added if t.special]
+    if len(special) != 1:
+        return None
+    config.setdefault("bos_token", special[0])
+    config["eos_token"] = special[0]
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return special[0]
 
 
 def check_writable(dest: Path) -> None:
@@ -219,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = Tokenizer.from_file(str(dest / REQUIRED)).get_vocab_size(with_added_tokens=True)
-    print(f"fetched {args.repo_id} tokenizer ({n} tokens, with added tokens) into {dest}")
+    config = dest / OPTIONAL[0]
+    eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    ends = (
+        f"documents end with {eos!r}"
+        if eos
+        else "it names no EOS token: add eos_token (and bos_token) to its tokenizer_config.json"
+    )
+    print(f"fetched {args.repo_id} tokenizer ({n} tokens, with added tokens) into {dest}; {ends}")
     return 0
 
 

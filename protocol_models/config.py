@@ -60,6 +60,12 @@ _HIDDEN = {
 """Container fields TOML does not set (the dataloader's ``dataset``/``dataset_path`` are
 TorchTitan's registry names, unused here; ``split`` is set on the validator's copy)."""
 _CORPUS_KEYS = ("files", "hf_dataset")
+CORPUS_DESCRIPTION = (
+    *_CORPUS_KEYS,
+    *("hf_config", "hf_split", "text_field", "sample_by", "streaming"),
+    *("validation_files", "validation_split", "validation_fraction"),
+)
+"""``[dataloader]`` keys that describe one corpus (the rest say where and how to tokenize)."""
 
 
 def default_config() -> ProtocolTrainer.Config:
@@ -86,7 +92,10 @@ def load_config(
     checkpoint), e.g. to plan a cluster run on a laptop.
     """
     table = read_toml(Path(toml_path)) if toml_path is not None else {}
-    for key, value in parse_overrides(overrides):
+    pairs = parse_overrides(overrides)
+    loader_keys = {key.split(".", 1)[1] for key, _ in pairs if key.startswith("dataloader.")}
+    _replace_corpus(table, loader_keys)
+    for key, value in pairs:
         _set_path(table, key.split("."), value)
 
     with _quiet_warnings():
@@ -112,8 +121,21 @@ def read_toml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if parent in _seen:
         raise ConfigError(f"{path}: base = {base!r} includes itself")
     merged = read_toml(parent, (*_seen, path.resolve()))
+    loader = table.get("dataloader")
+    _replace_corpus(merged, set(loader) if isinstance(loader, dict) else set())
     _merge(merged, table)
     return merged
+
+
+def _replace_corpus(table: dict, layer_keys: set[str]) -> None:
+    """A layer (a TOML file over its ``base``, the overrides over the file) whose
+    ``[dataloader]`` keys ``layer_keys`` name a corpus replaces the lower layer's corpus whole:
+    no validation split, Hub config or streaming setting of another corpus carries over."""
+    loader = table.get("dataloader")
+    if not isinstance(loader, dict) or not set(_CORPUS_KEYS) & layer_keys:
+        return
+    for key in CORPUS_DESCRIPTION:
+        loader.pop(key, None)
 
 
 def _merge(into: dict, table: dict) -> None:
@@ -165,9 +187,7 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
     config.protocol.parametrization = optimizer.parametrization
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
     _rerun_post_init(config, "")
-    config.validator.dataloader = dataclasses.replace(
-        config.dataloader, split="validation", infinite=False
-    )
+    config.validator.dataloader = dataclasses.replace(config.dataloader, split="validation")
     validate(config)
     return config
 
@@ -457,10 +477,15 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     from protocol_models import DEVICE_TYPE, corpus, cpu_shim, data
 
     cpu_shim.check_device(config.hardware.device, DEVICE_TYPE)
-    if not data.bundled_data_pending(config):
-        sides = ["train", "validation"] if config.validator.enable else ["train"]
-        for side in sides:
-            corpus.check_readable(corpus.part_of(config.dataloader, side))
+    pending = data.bundled_data_pending(config)
+    parts = {}
+    for side in ["train", "validation"] if config.validator.enable else ["train"]:
+        if not (pending and data.is_bundled(config.dataloader, side)):
+            parts[side] = corpus.part_of(config.dataloader, side)
+            corpus.check_readable(parts[side])
+    if len(parts) == 2:
+        corpus.check_disjoint(parts["train"], parts["validation"])
+    if not (pending and data.is_bundled_path(config.hf_assets_path)):
         _check_tokenizer(config)
     _check_writable(config.dump_folder)
     _check_resumable(config)
@@ -493,6 +518,18 @@ def _check_tokenizer(config: ProtocolTrainer.Config) -> None:
         size <= config.model.vocab_size,
         f"model.vocab_size = {config.model.vocab_size}: smaller than the tokenizer's {size} "
         f"tokens ({tokenizer_json}); use model.vocab_size >= {size}",
+    )
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    logging.disable(logging.WARNING)  # e.g. "no tokenizer_config.json": the check below says it
+    try:
+        eos = HuggingFaceTokenizer(tokenizer_path=path).eos_id
+    finally:
+        logging.disable(logging.NOTSET)
+    _check(
+        eos is not None,
+        f"hf_assets_path = {path!r}: the tokenizer names no EOS token, so documents would run "
+        f"together; name one as eos_token (and bos_token) in {Path(path, 'tokenizer_config.json')}",
     )
 
 
@@ -592,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     ``device=<cuda|cpu>`` and ``prepare_data=<0|1>`` (whether ``python -m protocol_models.data``
     has work to do before the workers start: the bundled data or a map-style corpus to
     tokenize); on failure print one ``error:`` line to stderr and return 2."""
+    from protocol_models import data
+
     toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(toml_path, overrides)
@@ -600,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"nproc={world_size(config)}")
     print(f"device={config.hardware.device}")
-    print(f"prepare_data={int(not config.dataloader.streaming)}")
+    prepare = not config.dataloader.streaming or data.bundled_data_pending(config)
+    print(f"prepare_data={int(prepare)}")
     return 0
 
 

@@ -4,8 +4,8 @@ A corpus is either
 
 * ``files``: paths, globs or URLs (``hf://datasets/...``, ``https://...``, any fsspec protocol)
   of one format -- ``.jsonl``/``.json``, ``.parquet`` or ``.txt``, optionally compressed
-  (``.gz``, ``.bz2``, ``.xz``, ``.zst``); a local directory stands for the files of that format
-  under it; or
+  (``.gz``, ``.bz2``, ``.xz``, ``.zst``); a local directory stands for every corpus file under
+  it (all of one format); or
 * ``hf_dataset``: a dataset on the Hugging Face Hub (``allenai/c4``), with ``hf_config`` (its
   configuration name, c4's ``en``) and ``hf_split``.
 
@@ -195,13 +195,15 @@ def _suffix(name: str) -> str:
     return path.suffix.lower()
 
 
-def load(part: Part, *, streaming: bool, first_file_only: bool = False):
+def load(part: Part, *, streaming: bool, first_file_only: bool = False, processes: int = 1):
     """The part's documents through HF ``load_dataset`` (map-style: an Arrow copy of the text
-    in HF's cache, ``HF_DATASETS_CACHE``; streaming: read as iterated). The hash rule is not
-    applied here."""
+    in HF's cache, ``HF_DATASETS_CACHE``, made by ``processes`` processes; streaming: read as
+    iterated). The hash rule is not applied here."""
     from datasets import load_dataset
 
     kwargs: dict[str, Any] = {"split": part.split, "streaming": streaming}
+    if not streaming and processes > 1:
+        kwargs["num_proc"] = processes
     if part.from_hub:
         return load_dataset(part.builder, name=part.hf_config, **kwargs)
     files = list(part.data_files[:1] if first_file_only else part.data_files)
@@ -236,6 +238,19 @@ def check_readable(part: Part) -> None:
         isinstance(record[part.text_field], str),
         f"dataloader.text_field = {part.text_field!r}: in {first} it holds "
         f"{type(record[part.text_field]).__name__}, not text",
+    )
+
+
+def check_disjoint(train: Part, validation: Part) -> None:
+    """No file named by ``validation_files`` is training data too (e.g. a directory that holds
+    both). A fraction split reads the same files on purpose: the hash rule keeps them apart."""
+    if validation.key != "dataloader.validation_files":
+        return
+    shared = sorted(set(train.data_files or ()) & set(validation.data_files or ()))
+    _check(
+        not shared,
+        f"{validation.key}: {len(shared)} file(s) are also in {train.key} (e.g. {shared[:1]}); "
+        "training would see the validation data",
     )
 
 

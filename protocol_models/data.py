@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 
 from protocol_models import corpus, shakespeare
-from protocol_models.errors import ConfigError
+from protocol_models.errors import ConfigError, DataError
 
 CACHE_FORMAT = 1
 """Bumped whenever the cached ids' meaning changes (invalidates every cache)."""
@@ -90,7 +90,8 @@ class TextDataLoader(ParallelAwareDataloader):
         tokenize_processes: int = 1
         """Processes that tokenize a map-style corpus into ``cache_dir``."""
         infinite: bool = True
-        """Start another pass when the data runs out (training); validation reads once."""
+        """Start another pass when the data runs out (TorchTitan's validator sets it: one pass
+        with ``validator.steps = -1``)."""
         split: corpus.Side = "train"
         """Which part this loader reads; the validator's copy reads ``validation``."""
 
@@ -121,6 +122,11 @@ class TextDataLoader(ParallelAwareDataloader):
             if self.tokenize_processes < 1:
                 raise ValueError(
                     f"dataloader.tokenize_processes = {self.tokenize_processes}: must be >= 1"
+                )
+            if self.num_workers:
+                raise ValueError(
+                    f"dataloader.num_workers = {self.num_workers}: must be 0 (each loader worker "
+                    "would read the whole shard); tokenize a corpus once with tokenize_processes"
                 )
 
         @property
@@ -159,7 +165,8 @@ class TextDataLoader(ParallelAwareDataloader):
             encode,
             seq_len=seq_len,
             infinite=config.infinite,
-            name=part.key,
+            name=f"{part.key} (the {config.split} part, data-parallel rank {dp_rank} of "
+            f"{dp_world_size})",
         )
         loader_kwargs: dict[str, Any] = {
             "num_workers": config.num_workers,
@@ -181,7 +188,8 @@ class TokenStream(IterableDataset, Stateful):
 
     ``encode(record)`` gives a document's ids with BOS and EOS, or None for a record this part
     skips. ``documents`` is a map-style ``datasets.Dataset`` (state: records read) or a streamed
-    ``IterableDataset`` (state: HF's own ``state_dict``).
+    ``IterableDataset`` (state: HF's own ``state_dict``). A pass that yields no document raises
+    ``DataError`` (an empty shard would otherwise loop forever).
     """
 
     def __init__(
@@ -204,6 +212,8 @@ class TokenStream(IterableDataset, Stateful):
         self.name = name
         self._read = 0
         self._epoch = 0
+        self._resumed = False
+        """Whether the next pass continues one a checkpoint interrupted."""
         self._inputs: list[int] = []
         self._labels: list[int] = []
         self._positions: list[int] = []
@@ -212,16 +222,21 @@ class TokenStream(IterableDataset, Stateful):
         from torchtitan.tools.logging import logger
 
         while True:
+            documents, whole_pass = 0, not self._resumed
+            self._resumed = False
             for record in self._records():
                 ids = self._encode(record)
                 self._read += 1
-                if ids is None or len(ids) < 2:
+                if ids is None:
                     continue
+                documents += 1
                 self._inputs.extend(ids[:-1])
                 self._labels.extend(ids[1:])
                 self._positions.extend(range(len(ids) - 1))
                 while len(self._inputs) >= self.seq_len:
                     yield self._take_row()
+            if not documents and whole_pass:
+                raise DataError(f"{self.name}: no documents to read")
             if not self.infinite:
                 return
             self._next_epoch()
@@ -271,6 +286,7 @@ class TokenStream(IterableDataset, Stateful):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resumed = True
         self._inputs, self._labels = state["inputs"], state["labels"]
         self._positions, self._epoch = state["positions"], state["epoch"]
         if self._map_style:
@@ -287,20 +303,35 @@ def _cached_ids(record: dict) -> list[int]:
 
 
 def _encoder(part: corpus.Part, tokenizer: BaseTokenizer) -> Callable[[dict], list[int] | None]:
-    """A streamed record -> its ids with BOS and EOS, or None when the part skips it."""
+    """A streamed record -> its ids with BOS and EOS, or None when the part skips it (another
+    part's document, or no text)."""
 
     def encode(record: dict) -> list[int] | None:
-        text = record[part.text_field]
-        if not part.keeps(text):
+        if part.text_field not in record:
+            raise DataError(
+                f"dataloader.text_field = {part.text_field!r}: a record of {part.key} has no "
+                f"such field (its fields: {sorted(record)})"
+            )
+        text = document_text(record[part.text_field])
+        if text is None or not part.keeps(text):
             return None
         return tokenizer.encode(text, add_bos=True, add_eos=True)
 
     return encode
 
 
+def document_text(value) -> str | None:
+    """A record's text field as a document, or None when there is nothing to train on (null,
+    empty or whitespace only: such a record would add only a BOS -> EOS pair)."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return value
+
+
 def tokenized(part: corpus.Part, tokenizer: BaseTokenizer, config: TextDataLoader.Config):
     """The part's documents as token ids (a map-style ``Dataset`` with one column ``ids``),
     from ``<cache_dir>/<key>/`` -- built there first if missing, by one process at a time."""
+    from datasets.exceptions import DatasetGenerationError
     from filelock import FileLock
 
     folder = cache_folder(part, tokenizer, config.cache_dir)
@@ -308,7 +339,14 @@ def tokenized(part: corpus.Part, tokenizer: BaseTokenizer, config: TextDataLoade
         folder.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(f"{folder}.lock"):
             if not (folder / "meta.json").is_file():
-                _build_cache(part, tokenizer, folder, config.tokenize_processes)
+                try:
+                    _build_cache(part, tokenizer, folder, config.tokenize_processes)
+                except (DatasetGenerationError, KeyError, TypeError, ValueError, OSError) as e:
+                    reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+                    raise ConfigError(
+                        f"{part.key}: cannot tokenize it ({type(e).__name__}: {reason}); "
+                        f"text_field = {part.text_field!r}"
+                    ) from None
     return _load_cache(folder)
 
 
@@ -326,8 +364,7 @@ def cache_folder(part: corpus.Part, tokenizer: BaseTokenizer, cache_dir: str) ->
 def _tokenizer_digest(tokenizer: BaseTokenizer) -> str:
     """What fixes a document's ids: the tokenizer's own JSON and its BOS/EOS ids."""
     probe = tokenizer.encode("", add_bos=True, add_eos=True)
-    body = tokenizer.tokenizer.to_str() if hasattr(tokenizer, "tokenizer") else repr(tokenizer)
-    return hashlib.sha256(f"{probe}\n{body}".encode()).hexdigest()
+    return hashlib.sha256(f"{probe}\n{tokenizer.tokenizer.to_str()}".encode()).hexdigest()
 
 
 def _build_cache(part: corpus.Part, tokenizer: BaseTokenizer, folder: Path, processes: int):
@@ -338,49 +375,53 @@ def _build_cache(part: corpus.Part, tokenizer: BaseTokenizer, folder: Path, proc
     from torchtitan.tools.logging import logger
 
     start = time.perf_counter()
-    documents = corpus.load(part, streaming=False)
-    text_bytes = documents.data.nbytes
-    if part.keep != "all":
-        documents = documents.filter(
-            lambda batch: [part.keeps(t) for t in batch[part.text_field]],
-            batched=True,
-            num_proc=processes if processes > 1 else None,
-            desc=f"{part.key}: {part.keep} documents",
-        )
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    num_proc = processes if processes > 1 else None
+    documents = corpus.load(part, streaming=False, processes=processes)
+    arrow_bytes = documents.data.nbytes
+    documents = documents.filter(
+        lambda batch: [
+            (text := document_text(value)) is not None and part.keeps(text)
+            for value in batch[part.text_field]
+        ],
+        batched=True,
+        num_proc=num_proc,
+        desc=f"{part.key}: documents of this part",
+    )
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        return {
-            "ids": [tokenizer.encode(t, add_bos=True, add_eos=True) for t in batch[part.text_field]]
-        }
+        texts = batch[part.text_field]
+        return {"ids": [tokenizer.encode(t, add_bos=True, add_eos=True) for t in texts]}
 
-    ids = documents.map(
-        encode,
-        batched=True,
-        remove_columns=documents.column_names,
-        features=Features({"ids": Sequence(Value("int32"))}),
-        num_proc=processes if processes > 1 else None,
-        cache_file_name=str(tmp / "ids.arrow"),
-        new_fingerprint=folder.name,
-        desc=f"tokenizing {part.key}",
-    )
-    tokens = pc.sum(pc.list_value_length(ids.data.column("ids"))).as_py() or 0
-    meta = {
-        "part": part.identity(),
-        "documents": len(ids),
-        "tokens": tokens,
-        "text_bytes": text_bytes,
-        "seconds": round(time.perf_counter() - start, 3),
-        "processes": processes,
-    }
-    del ids, documents
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
     try:
-        tmp.rename(folder)
-    except OSError:  # another process finished first (a shared file system without the lock)
-        shutil.rmtree(tmp, ignore_errors=True)
+        ids = documents.map(
+            encode,
+            batched=True,
+            remove_columns=documents.column_names,
+            features=Features({"ids": Sequence(Value("int32"))}),
+            num_proc=num_proc,
+            cache_file_name=str(tmp / "ids.arrow"),
+            new_fingerprint=folder.name,
+            desc=f"tokenizing {part.key}",
+        )
+        tokens = pc.sum(pc.list_value_length(ids.data.column("ids"))).as_py() or 0
+        meta = {
+            "part": part.identity(),
+            "documents": len(ids),
+            "tokens": tokens,
+            "arrow_bytes": arrow_bytes,
+            "seconds": round(time.perf_counter() - start, 3),
+            "processes": processes,
+        }
+        del ids, documents
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another node finished first (a shared cache_dir without flock)
+            if not (folder / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; else a failed build
     logger.info(
         f"{part.key}: tokenized {meta['documents']} documents, {tokens} tokens in "
         f"{meta['seconds']} s into {folder}"
@@ -419,6 +460,11 @@ def prepare(config) -> list[str]:
         folder = cache_folder(part, tokenizer, loader.cache_dir)
         tokenized(part, tokenizer, loader)
         meta = cache_summary(folder)
+        if not meta["documents"]:
+            raise ConfigError(
+                f"{part.key}: the {side} part holds no documents"
+                + (" (validation_fraction too small?)" if part.keep != "all" else "")
+            )
         lines.append(
             f"{side}: {meta['documents']} documents, {meta['tokens']} tokens in {folder} "
             f"(tokenized in {meta['seconds']} s)"
@@ -428,14 +474,24 @@ def prepare(config) -> list[str]:
 
 def reads_bundled_data(config) -> bool:
     """Whether the config's corpus or tokenizer is the bundled Shakespeare data."""
-    bundled = shakespeare.DEFAULT_CACHE.resolve()
     loader = config.dataloader
-    paths = [config.hf_assets_path, *corpus.as_list(loader.files)]
-    paths += corpus.as_list(loader.validation_files)
-    return any(
-        not corpus.is_remote(p) and bundled in (Path(p).resolve(), *Path(p).resolve().parents)
-        for p in paths
+    return is_bundled_path(config.hf_assets_path) or any(
+        is_bundled(loader, side) for side in ("train", "validation")
     )
+
+
+def is_bundled(loader: TextDataLoader.Config, side: corpus.Side) -> bool:
+    """Whether the ``side`` part of the corpus is (among) the bundled files."""
+    files = loader.validation_files if side == "validation" else loader.files
+    return any(is_bundled_path(p) for p in corpus.as_list(files))
+
+
+def is_bundled_path(path: str) -> bool:
+    """Whether ``path`` lies in the bundled data's folder."""
+    if corpus.is_remote(path):
+        return False
+    bundled = shakespeare.DEFAULT_CACHE.resolve()
+    return bundled in (Path(path).resolve(), *Path(path).resolve().parents)
 
 
 def bundled_data_pending(config) -> bool:

@@ -17,5 +17,6 @@ class NonFiniteError(UserError):
     """A non-finite loss or gradient norm stopped the run (the last good checkpoint is kept)."""
 
 
-class DataMismatchError(UserError):
-    """The pipeline stages of a replica trained on different token ids (found at a log step)."""
+class DataError(UserError):
+    """The training data, as read: a shard without documents, a record without the text field,
+    pipeline stages that trained on different token ids (found while training)."""

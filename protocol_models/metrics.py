@@ -26,7 +26,7 @@ from torchtitan.components.metrics import (
 )
 from torchtitan.tools.utils import device_module, get_local_device
 
-from protocol_models.errors import DataMismatchError
+from protocol_models.errors import DataError
 from protocol_models.link import SimulatedLink
 from protocol_models.stage import WireMeter
 
@@ -248,7 +248,7 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         """``data/ids_checksum``: the checksum of the ids trained on since the previous log
         step (the low 24 bits, exact in any logger). The pipeline stages of a replica must
         agree on all 64 bits -- ids never cross the wire, so each stage reads its own copy of
-        the data -- or the run stops with ``DataMismatchError``."""
+        the data -- or the run stops with ``DataError``."""
         checksum = self.ids_checksum.pop() if self.ids_checksum is not None else None
         if checksum is None:
             return {}
@@ -258,7 +258,7 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
             high, neg_low = extremes.tolist()
             if high != -neg_low:
-                raise DataMismatchError(
+                raise DataError(
                     f"the pipeline stages of a replica trained on different token ids before step "
                     f"{step} (checksums {-neg_low} .. {high}); every node must read the same "
                     "[dataloader] files in the same order with the same tokenizer (hf_assets_path)"

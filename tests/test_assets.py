@@ -110,7 +110,10 @@ def test_fetch_installs_what_torchtitan_loads(monkeypatch, capsys, tmp_path, tok
 
     assert (code, err) == (0, [])
     n = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
-    assert out == f"fetched {REPO_ID} tokenizer ({n} tokens, with added tokens) into {dest}\n"
+    assert out == (
+        f"fetched {REPO_ID} tokenizer ({n} tokens, with added tokens) into {dest}; "
+        "documents end with '<|endoftext|>'\n"
+    )
     assert sorted(p.name for p in dest.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
     assert os.listdir(dest.parent) == ["tiny-lm"]  # the staging directory is gone
     tokenizer = HuggingFaceTokenizer(tokenizer_path=str(dest))
@@ -121,10 +124,20 @@ def test_fetch_installs_what_torchtitan_loads(monkeypatch, capsys, tmp_path, tok
 
 
 def test_default_dest_is_torchtitans(monkeypatch, capsys, tmp_path, tokenizer_json):
+    """A repository like GPT-2's (no BOS/EOS in its files, one special token): the fetch names
+    that token as BOS and EOS, so TorchTitan separates documents with it."""
     monkeypatch.chdir(tmp_path)
     fake_hub(monkeypatch, {"tokenizer.json": tokenizer_json})
-    assert run_main(capsys, REPO_ID)[0] == 0
-    assert os.listdir(tmp_path / "assets" / "hf" / "tiny-lm") == ["tokenizer.json"]
+    code, out, _ = run_main(capsys, REPO_ID)
+    assert code == 0 and out.endswith("documents end with '<|endoftext|>'\n")
+    dest = tmp_path / "assets" / "hf" / "tiny-lm"
+    assert sorted(os.listdir(dest)) == ["tokenizer.json", "tokenizer_config.json"]
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=str(dest))
+    assert (
+        tokenizer.eos_id
+        == tokenizer.bos_id
+        == Tokenizer.from_file(str(tokenizer_json)).token_to_id("<|endoftext|>")
+    )
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ between nodes, which only the stages themselves can see -- at start-up, before s
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from conftest import REPO, TINY, torchrun
 
 DEBUG = REPO / "configs" / "debug_cpu.toml"
 
+NO_VALIDATION = ["--validator.enable", "false"]
 CASES = {
     "k below 1": (["--protocol.k", "0"], "protocol.k"),
     "k above d": (["--protocol.k", "257"], "protocol.k"),
@@ -26,11 +28,11 @@ CASES = {
     "unknown optimizer": (["--optimizer.name", "sgd"], "optimizer.name"),
     "negative bandwidth": (["--wan.bandwidth_mbps", "-5"], "wan.bandwidth_mbps"),
     "per-boundary list of wrong length": (["--wan.latency_ms_per_boundary", "[10, 20]"], "wan.latency_ms_per_boundary"),
-    "missing data file": (["--dataloader.files", "/nonexistent/corpus.jsonl"], "dataloader.files"),
-    "empty glob": (["--dataloader.files", "/nonexistent/*.parquet"], "dataloader.files"),
-    "unsupported file format": (["--dataloader.files", "README.md"], "dataloader.files"),
+    "missing data file": (["--dataloader.files", "/nonexistent/corpus.jsonl", *NO_VALIDATION], "dataloader.files"),
+    "empty glob": (["--dataloader.files", "/nonexistent/*.parquet", *NO_VALIDATION], "dataloader.files"),
+    "unsupported file format": (["--dataloader.files", "README.md", *NO_VALIDATION], "dataloader.files"),
     "missing text field": (["--dataloader.text_field", "body"], "dataloader.text_field"),
-    "two corpora": (["--dataloader.hf_dataset", "allenai/c4"], "dataloader.files"),
+    "two corpora": (["--dataloader.files", "a.jsonl", "--dataloader.hf_dataset", "allenai/c4"], "dataloader.files"),
     "validation without validation data": (["--dataloader.validation_files", ""], "validator.enable"),
     "TorchTitan's dataset names": (["--dataloader.dataset", "c4"], "dataloader.dataset"),
     "tokenizer larger than the model vocabulary": (["--model.vocab_size", "4096"], "model.vocab_size"),
@@ -73,10 +75,21 @@ def test_unreadable_data_file_is_refused(tmp_path, name, content):
     bad = tmp_path / name
     bad.write_bytes(content)
     line = _assert_refused(
-        ["--dump_folder", str(tmp_path / "dump"), "--dataloader.files", str(bad)],
+        ["--dump_folder", str(tmp_path / "dump"), "--dataloader.files", str(bad), *NO_VALIDATION],
         "dataloader.files",
     )
     assert str(bad) in line
+
+
+def test_tokenizer_without_eos_is_refused(tmp_path):
+    """Documents must be separated: a tokenizer folder whose config names no EOS token."""
+    assets = tmp_path / "tokenizer"
+    assets.mkdir()
+    shutil.copy(REPO / ".cache" / "shakespeare" / "tokenizer" / "tokenizer.json", assets)
+    line = _assert_refused(
+        ["--dump_folder", str(tmp_path / "dump"), "--hf_assets_path", str(assets)], "hf_assets_path"
+    )
+    assert "names no EOS token" in line
 
 
 def test_resume_with_a_different_k_is_refused(tmp_path):

@@ -53,6 +53,20 @@ def test_override_literals():
         (["--protocol.layers_per_stage", "[8, 0]"], "every stage needs at least one block"),
         (["--protocol.layers_per_stage", "[4, 3]"], "sums to 7, expected model.n_layers = 8"),
         (["--protocol.layers_per_stage", "[4, 'x']"], "expected a list of integers"),
+        (["--dataloader.num_workers", "2"], "dataloader.num_workers = 2: must be 0"),
+        (
+            ["--dataloader.validation_split", "validation", "--dataloader.validation_files", ""],
+            "names a split of dataloader.hf_dataset",
+        ),
+        (["--dataloader.validation_fraction", "0.1"], "at most one of dataloader.validation_files"),
+        (
+            ["--dataloader.validation_fraction", "1.5", "--dataloader.validation_files", ""],
+            "must be in [0, 1)",
+        ),
+        (
+            ["--validator.dataloader.files", "x.jsonl"],
+            "[validator.dataloader]: the validation data is part of [dataloader]",
+        ),
     ],
 )
 def test_errors_name_the_key(overrides, message):
@@ -103,3 +117,23 @@ def test_production_configs_start_once_the_tokenizer_is_fetched(
     shutil.copytree(REPO / ".cache" / "shakespeare" / "tokenizer", assets)
     assert main(args) == 0
     assert "nproc=" in capsys.readouterr().out
+
+
+def test_a_corpus_named_over_a_base_replaces_the_bases_corpus(tmp_path):
+    """A file built on the 2B config (C4 from the Hub, streamed, validation split) that names
+    its own files, or the same by an override: nothing of C4 carries over."""
+    mine = tmp_path / "mine.toml"
+    mine.write_text(
+        f'base = "{REPO / "configs" / "llama3_2b_protocol.toml"}"\n'
+        '[dataloader]\nfiles = "/data/*.parquet"\nvalidation_fraction = 0.01\n'
+    )
+    by_base = load_config(str(mine), [], check_environment=False).dataloader
+    by_override = load_config(
+        str(REPO / "configs" / "llama3_2b_protocol.toml"),
+        ["--dataloader.files", "/data/*.parquet", "--dataloader.validation_fraction", "0.01"],
+        check_environment=False,
+    ).dataloader
+    for loader in (by_base, by_override):
+        assert loader.files == "/data/*.parquet" and loader.validation_fraction == 0.01
+        assert not loader.hf_dataset and not loader.hf_config and not loader.validation_split
+        assert not loader.streaming and not loader.validation_files

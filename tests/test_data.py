@@ -198,3 +198,35 @@ def test_stages_that_read_different_ids_stop_the_run(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: the pipeline")]
     assert errors and "different token ids before step 1" in errors[0], result.stderr[-3000:]
+
+
+def test_empty_documents_are_skipped_and_an_empty_shard_is_an_error(tmp_path, tokenizer):
+    """Null, empty and blank texts add nothing (not even a BOS -> EOS pair), streamed or
+    cached; a part without documents stops with DataError instead of looping forever."""
+    from protocol_models.errors import DataError
+
+    texts = ["First document.", None, "", "   \n", "Second document."]
+    (tmp_path / "gaps.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "clean.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts if t and t.strip())
+    )
+    rows = {}
+    for name in ("gaps", "clean"):
+        for streaming in (False, True):
+            config = TextDataLoader.Config(files=str(tmp_path / f"{name}.jsonl"), validation_files="",
+                                           streaming=streaming, cache_dir=str(tmp_path / "tokens"))  # fmt: skip
+            rows[name, streaming] = _rows(_loader(config, tokenizer, seq_len=4, batch=1), 6)
+    assert rows["gaps", False] == rows["gaps", True] == rows["clean", False] == rows["clean", True]
+    nothing = TextDataLoader.Config(files=str(tmp_path / "gaps.jsonl"), validation_files="",
+                                    validation_fraction=1e-9, streaming=True, split="validation")  # fmt: skip
+    with pytest.raises(DataError, match="no documents to read"):
+        _rows(_loader(nothing, tokenizer), 1)
+
+
+def test_validation_files_inside_the_training_files_are_refused(corpora, tmp_path):
+    from protocol_models.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"also in dataloader.files.*training would see"):
+        load_config(None, ["--dataloader.files", str(corpora / "jsonl"), "--validator.enable",
+                           "--dataloader.validation_files", str(corpora / "jsonl" / "part-0.jsonl"),
+                           "--dump_folder", str(tmp_path / "run"), "--hardware.device", "cpu"])  # fmt: skip
