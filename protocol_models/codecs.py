@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 
 from protocol_models import subspace
+from protocol_models.errors import require
 
 LOSSY_MODES = ("topk", "quant", "lowrank", "svd")
 INDEX_DTYPE = torch.int16
@@ -71,6 +72,32 @@ class CodecSettings:
     seed: int = 4321
     """Seed of the gradients' stochastic rounding (``quant``); ``lowrank``'s ``P`` is the
     subspace basis of ``protocol.seed`` (the subspace codec without constraint and F)."""
+
+    def check(self, mode: str, dim: int, microbatch_tokens: int) -> None:
+        """These settings against the width and microbatch of a lossy ``protocol.mode``."""
+        if mode == "topk":
+            require(
+                1 <= self.topk <= min(dim, 32768),
+                f"codec.topk = {self.topk}: must be in [1, model.dim = {dim}] "
+                "(indices travel as int16: model.dim <= 32768)",
+            )
+        if mode == "quant":
+            require(
+                dim % (8 // self.bits) == 0,
+                f"codec.bits = {self.bits}: model.dim = {dim} must be a multiple of "
+                f"{8 // self.bits} to bit-pack {self.bits}-bit codes",
+            )
+        if mode in ("lowrank", "svd"):
+            require(
+                1 <= self.rank <= dim,
+                f"codec.rank = {self.rank}: must be an integer in [1, model.dim = {dim}]",
+            )
+        if mode == "svd":
+            require(
+                self.rank <= microbatch_tokens,
+                f"codec.rank = {self.rank}: must be <= the {microbatch_tokens} tokens of a "
+                "microbatch (parallelism.pipeline_parallel_microbatch_size x training.seq_len)",
+            )
 
 
 def _nbytes(spec: Spec) -> int:

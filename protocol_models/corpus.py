@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from protocol_models.errors import ConfigError
+from protocol_models.errors import ConfigError, require
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 """File suffix -> HF ``datasets`` builder."""
@@ -158,16 +158,16 @@ def resolve_files(patterns: list[str], key: str) -> list[str]:
                 for p in path.rglob("*")
                 if p.is_file() and _suffix(p.name) in FORMATS and not p.name.startswith(".")
             )
-            _check(found, f"{key} = {pattern!r}: no {'/'.join(FORMATS)} files in that directory")
+            require(found, f"{key} = {pattern!r}: no {'/'.join(FORMATS)} files in that directory")
         elif glob.has_magic(str(path)):
             found = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-            _check(found, f"{key} = {pattern!r}: the glob matches no files")
+            require(found, f"{key} = {pattern!r}: the glob matches no files")
         else:
-            _check(path.exists(), f"{key} = {pattern!r}: no such file")
+            require(path.exists(), f"{key} = {pattern!r}: no such file")
             found = [str(path)]
         for file in found:
-            _check(os.access(file, os.R_OK), f"{key}: {file} is not readable (permission denied)")
-            _check(os.path.getsize(file) > 0, f"{key}: {file} is empty")
+            require(os.access(file, os.R_OK), f"{key}: {file} is not readable (permission denied)")
+            require(os.path.getsize(file) > 0, f"{key}: {file} is empty")
         files.extend(found)
     return files
 
@@ -183,7 +183,7 @@ def file_format(files: tuple[str, ...], key: str) -> str:
                 f"optionally compressed {', '.join(COMPRESSIONS)})"
             )
         builders.add(FORMATS[suffix])
-    _check(len(builders) == 1, f"{key}: mixes formats {sorted(builders)}; use one per list")
+    require(len(builders) == 1, f"{key}: mixes formats {sorted(builders)}; use one per list")
     return builders.pop()
 
 
@@ -227,14 +227,14 @@ def check_readable(part: Part) -> None:
         raise ConfigError(f"{part.key}: cannot read {first} as {part.builder}: {reason}") from None
     finally:
         logging.disable(logging.NOTSET)
-    _check(record is not None, f"{part.key}: {first} holds no documents")
+    require(record is not None, f"{part.key}: {first} holds no documents")
     fields = sorted(record)
-    _check(
+    require(
         part.text_field in record,
         f"dataloader.text_field = {part.text_field!r}: {first} has no such field "
         f"(its fields: {fields})",
     )
-    _check(
+    require(
         isinstance(record[part.text_field], str),
         f"dataloader.text_field = {part.text_field!r}: in {first} it holds "
         f"{type(record[part.text_field]).__name__}, not text",
@@ -247,7 +247,7 @@ def check_disjoint(train: Part, validation: Part) -> None:
     if validation.key != "dataloader.validation_files":
         return
     shared = sorted(set(train.data_files or ()) & set(validation.data_files or ()))
-    _check(
+    require(
         not shared,
         f"{validation.key}: {len(shared)} file(s) are also in {train.key} (e.g. {shared[:1]}); "
         "training would see the validation data",
@@ -281,8 +281,3 @@ def check_hub_dataset(repo_id: str) -> None:
             f"{repo_id!r} ({reason})",
             file=sys.stderr,
         )
-
-
-def _check(ok: Any, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)

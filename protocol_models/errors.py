@@ -20,3 +20,9 @@ class NonFiniteError(UserError):
 class DataError(UserError):
     """The training data, as read: a shard without documents, a record without the text field,
     pipeline stages that trained on different token ids (found while training)."""
+
+
+def require(ok: object, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from protocol_models.errors import require
+
 
 @dataclass(kw_only=True, slots=True)
 class LinkSettings:
@@ -36,6 +38,21 @@ class LinkSettings:
     bandwidth_mbps_per_boundary: list[float] = field(default_factory=list)
     """Optional per-boundary bandwidths (boundary i joins stages i, i + 1); overrides the above."""
     latency_ms_per_boundary: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("bandwidth_mbps", "latency_ms"):
+            value = getattr(self, key)
+            require(value >= 0, f"wan.{key} = {value}: must be >= 0 (0 = unlimited / none)")
+
+    def check_boundaries(self, n_boundaries: int) -> None:
+        """The per-boundary lists hold one non-negative value per pipeline boundary."""
+        for key in ("bandwidth_mbps_per_boundary", "latency_ms_per_boundary"):
+            per = getattr(self, key)
+            require(
+                not per or (len(per) == n_boundaries and min(per) >= 0),
+                f"wan.{key} = {per}: expected {n_boundaries} non-negative values "
+                "(one per pipeline boundary)",
+            )
 
     @property
     def enabled(self) -> bool:

@@ -59,7 +59,7 @@ from protocol_models.codecs import (
     apply_boundary,
     build_codec,
 )
-from protocol_models.errors import ConfigError, UserError
+from protocol_models.errors import ConfigError, UserError, require
 from protocol_models.loss import chunked_cross_entropy
 
 Mode = Literal["subspace", "dense", "topk", "quant", "lowrank", "svd"]
@@ -89,6 +89,23 @@ class ModelArch:
     """The last stage computes the loss this many tokens at a time and never holds the full
     logits ``[mb, seq, V]``; the backward recomputes each chunk's (``protocol_models.loss``).
     0: TorchTitan's stock head and ``CrossEntropyLoss`` on the full logits."""
+
+    def __post_init__(self) -> None:
+        require(self.dim >= 1, f"model.dim = {self.dim}: must be >= 1")
+        require(self.n_layers >= 1, f"model.n_layers = {self.n_layers}: must be >= 1")
+        require(
+            self.loss_chunk_tokens >= 0,
+            f"model.loss_chunk_tokens = {self.loss_chunk_tokens}: must be >= 0 (0 = full logits)",
+        )
+        require(
+            self.n_heads >= 1 and self.dim % self.n_heads == 0,
+            f"model.n_heads = {self.n_heads}: must divide model.dim = {self.dim}",
+        )
+        kv = self.n_kv_heads
+        require(
+            kv is None or (kv >= 1 and self.n_heads % kv == 0),
+            f"model.n_kv_heads = {kv}: must divide model.n_heads = {self.n_heads}",
+        )
 
     @property
     def hidden_dim(self) -> int:
@@ -128,6 +145,19 @@ class ProtocolSettings:
     remainder). One entry per stage of the layout, each >= 1, summing to ``model.n_layers``.
     The last stage also holds the final norm and the LM head, so a balanced split usually gives
     it fewer blocks (``python -m protocol_models.plan --propose-split``)."""
+
+    def __post_init__(self) -> None:
+        every = self.update_every
+        require(every >= 0, f"protocol.update_every = {every}: must be >= 0 (0 = no updates)")
+        require(
+            every == 0 or self.mode == "subspace",
+            f"protocol.update_every = {every}: subspace updates need protocol.mode = 'subspace' "
+            f"(got {self.mode!r})",
+        )
+        require(
+            0 < self.update_angle_deg <= 90,
+            f"protocol.update_angle_deg = {self.update_angle_deg}: must be in (0, 90]",
+        )
 
 
 def stage_layer_ranges(
