@@ -33,7 +33,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
-from protocol_models.report import read_jsonl
+from protocol_models.metrics import read_jsonl
 from protocol_models.subspace import leak_tolerance
 
 GIB = 1024**3

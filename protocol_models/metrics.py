@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,13 @@ class JsonlLogger(BaseLogger):
             self._opened.add(path)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file this sink wrote (``[]`` when it does not exist)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _drop_records_from(path: str, step: int) -> None:

@@ -5,17 +5,11 @@ python -m protocol_models.report CONFIG.toml [--section.key value ...]
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from protocol_models.config import ConfigError, load_config, split_argv
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from protocol_models.metrics import read_jsonl
 
 
 def summarize(dump_folder: Path) -> str:

@@ -16,6 +16,7 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from protocol_models import console
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
 
@@ -57,6 +58,7 @@ def run(toml_path: str | None, overrides: list[str]) -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
+    console.quiet_misleading(logger)
     trainer = config.build()
     try:
         if config.checkpoint.create_seed_checkpoint:

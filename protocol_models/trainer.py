@@ -29,6 +29,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from protocol_models.codecs import LOSSY_MODES, CodecSettings, build_codec
+from protocol_models.console import Progress
 from protocol_models.data import TextDataLoader
 from protocol_models.errors import StartupError
 from protocol_models.grassmann import SubspaceTracker
@@ -138,7 +139,12 @@ class ProtocolTrainer(Trainer):
         )
         if config.model.loss_chunk_tokens:
             config.loss = ModelLoss.Config()
+        self.progress = Progress(config.training.steps)
         super().__init__(config)
+        self.metrics_processor.gpu_peak_flops = config.hardware.peak_tflops * 1e12
+        logger.info(
+            f"MFU is measured against [hardware] peak_tflops = {config.hardware.peak_tflops:g}"
+        )
         self.metrics_processor.wire_meter = self.wire_meter
         self.metrics_processor.link = self.link
         self.metrics_processor.ids_checksum = IdsChecksum()
@@ -250,6 +256,7 @@ class ProtocolTrainer(Trainer):
         return inputs, labels, add_protocol_kwargs(inputs, labels, extra, self.model_config)
 
     def train_step(self, data_iterator):
+        self.progress.begin(self.step)
         self.optimizers.current_step = self.step
         self.wire_meter.reset()
         if self.link is not None:
@@ -259,6 +266,8 @@ class ProtocolTrainer(Trainer):
             part.pop_boundary_leak()
             part.measure_leak = measure
         super().train_step(data_iterator)
+        if measure:
+            logger.info(self.progress.line(self.step))
 
 
 class RankPlace(NamedTuple):

@@ -19,6 +19,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from protocol_models.metrics import read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "configs" / "reference_cpu.toml"
 RUN_CACHE = REPO / "results" / "runs"
@@ -161,12 +163,6 @@ def repo_relative(path: Path) -> str:
     results written by different clones compare."""
     path = path.resolve()
     return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def validation_curve(dump_folder: Path) -> list[tuple[int, float]]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from protocol_models.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "tiny.toml"
@@ -43,10 +44,5 @@ def torchrun(
     assert result.returncode == 0, (
         f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     )
-    metrics = dump_folder / "metrics.jsonl"
-    records = read_jsonl(metrics) if metrics.exists() else []
+    records = read_jsonl(dump_folder / "metrics.jsonl")
     return (records, result.stdout + result.stderr) if return_output else records
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

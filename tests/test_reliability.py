@@ -188,7 +188,10 @@ def test_root_cause_is_the_earliest_error_record(tmp_path):
 def test_finished_runs_exit_zero(tmp_path):
     """Short runs through the user's launcher, with and without the link simulator, exit 0 and
     never abort at interpreter exit after "Training completed" (a finished job must not look
-    failed, or be restarted by MAX_RESTARTS)."""
+    failed, or be restarted by MAX_RESTARTS). Their console shows the progress and none of
+    TorchTitan's lines that are wrong here."""
+    from protocol_models.console import MISLEADING_LOG_LINES, MISLEADING_WARNINGS
+
     for i in range(4):
         link = ["--wan.latency_ms", "2"] if i % 2 else []
         result = subprocess.run(
@@ -200,3 +203,6 @@ def test_finished_runs_exit_zero(tmp_path):
         assert result.returncode == 0, output[-3000:]
         assert "Training completed" in output
         assert "terminate called" not in output and "Aborted" not in output
+        assert "step 2/2 (100%)" in output and "ETA" in output  # the progress line
+        for misleading in MISLEADING_LOG_LINES + MISLEADING_WARNINGS:
+            assert misleading not in output, misleading
