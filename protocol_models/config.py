@@ -31,8 +31,8 @@ from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from protocol_models.errors import ConfigError, require
-from protocol_models.model import stage_layer_ranges
-from protocol_models.optimizers import OptimizerSettings
+from protocol_models.layout import stage_layer_ranges
+from protocol_models.optimizers import OPTIMIZERS, OptimizerSettings
 from protocol_models.pipeline import SCHEDULES
 from protocol_models.preflight import validate_environment
 from protocol_models.toml_tables import (
@@ -50,12 +50,6 @@ __all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "valid
 
 ACTIVATION_CHECKPOINT = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 _TOP_LEVEL_SPECIAL = ("activation_checkpoint", "optimizer")
-_WHOLE_MATRIX_OPTIMIZERS = {
-    "Muon": "muon",
-    "RowwiseAdamW": "adamw_rowwise",
-    "ProjectedAdamW": "adamw_project",
-}
-"""Optimizers (container names -> TOML names) that need unsharded parameters."""
 
 
 def default_config() -> ProtocolTrainer.Config:
@@ -126,6 +120,7 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
             config.activation_checkpoint = factory() if factory else None
         else:
             assign(config, {key: value}, "", also_allowed=_TOP_LEVEL_SPECIAL)
+    rerun_post_init(optimizer, "optimizer")
     config.optimizer = optimizer.to_container_config()
     config.protocol.parametrization = optimizer.parametrization
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
@@ -151,12 +146,10 @@ def validate(config: ProtocolTrainer.Config) -> None:
     config.codec.check(
         protocol.mode, model.dim, par.pipeline_parallel_microbatch_size * training.seq_len
     )
-    whole_matrices = sorted(
-        {g.optimizer_name for g in config.optimizer.param_groups} & set(_WHOLE_MATRIX_OPTIMIZERS)
-    )
+    whole_matrices = OPTIMIZERS[config.optimizer.name].whole_matrices
     if par.data_parallel_shard_degree > 1 and (whole_matrices or protocol.update_every):
         needs = (
-            f"optimizer.name = {_WHOLE_MATRIX_OPTIMIZERS[whole_matrices[0]]!r}"
+            f"optimizer.name = {config.optimizer.name!r}"
             if whole_matrices
             else f"protocol.update_every = {protocol.update_every}"
         )
@@ -221,13 +214,12 @@ def validate(config: ProtocolTrainer.Config) -> None:
 def world_size(config: ProtocolTrainer.Config) -> int:
     """Processes the run needs: pipeline stages x data-parallel replicas/shards."""
     par = config.parallelism
-    dp = par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
-    return par.pipeline_parallel_degree * dp * par.tensor_parallel_degree
+    return par.pipeline_parallel_degree * config.replicas * par.tensor_parallel_degree
 
 
 def main(argv: list[str] | None = None) -> int:
     """Check a config. On success print ``nproc=<N>`` (processes the run needs),
-    ``device=<cuda|cpu>`` and ``prepare_data=<0|1>`` (whether ``python -m protocol_models.data``
+    ``device=<cuda|cpu>`` and ``prepare_data=<0|1>`` (whether ``python -m protocol_models.prepare``
     has work to do before the workers start: the bundled data or a map-style corpus to
     tokenize); on failure print one ``error:`` line to stderr and return 2."""
     from protocol_models import data

@@ -14,16 +14,13 @@ corpora are reshuffled from their second pass on, with a fixed seed per pass).
 * **Map-style corpora** (``streaming = false``) are tokenized once into
   ``<cache_dir>/<key>/`` (``.arrow`` files of int32 ids, memory-mapped, plus ``meta.json``); the
   key is a sha256 of the sources (paths, sizes, modification times), the split rule and the
-  tokenizer. ``python -m protocol_models.data --toml CONFIG`` builds it before any worker starts
+  tokenizer. ``python -m protocol_models.prepare --toml CONFIG`` builds it before any worker starts
   (``scripts/train.sh`` runs it); a worker that finds no cache builds it under a file lock, so
   the ranks of one node tokenize once.
 * **Streams** (``streaming = true``) are read and tokenized as training goes, by every rank:
   nothing but HF's own download cache touches the disk.
 * **Resume.** The loader's state (read position, epoch, the partial row) is part of TorchTitan's
   checkpoint; a resumed run continues with the exact next sample, for streams too.
-
-    python -m protocol_models.data                        # prepare the bundled Shakespeare data
-    python -m protocol_models.data --toml CONFIG [--section.key value ...]   # what CONFIG reads
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -498,27 +494,3 @@ def bundled_data_pending(config) -> bool:
     """Whether the config reads the bundled data and it is not prepared yet."""
     prepared = (shakespeare.DEFAULT_CACHE / "tokenizer" / "tokenizer.json").is_file()
     return not prepared and reads_bundled_data(config)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Without ``--toml``: prepare the bundled data. With it: check the config (one ``error:``
-    line and exit 2 on bad input), then prepare what it reads."""
-    from protocol_models import config as config_module
-
-    argv = sys.argv[1:] if argv is None else argv
-    toml_path, overrides = config_module.split_argv(argv)
-    if toml_path is None and not overrides:
-        print(f"prepared {shakespeare.prepare(shakespeare.DEFAULT_CACHE)}")
-        return 0
-    try:
-        config = config_module.load_config(toml_path, overrides)
-        for line in prepare(config):
-            print(line)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from protocol_models.model import ProtocolModel, local_matrix, project_
+from protocol_models.optimizers import moment_keys
 from protocol_models.subspace import orthonormalize
 
 
@@ -97,19 +98,19 @@ def reexpress(model: ProtocolModel, optimizers, new_basis: torch.Tensor) -> None
     states = {}
     for optimizer in optimizers:
         states.update(optimizer.state)
+    first, second = moment_keys("first"), moment_keys("second")
     for weight, kind in model.constrained_weights():
         state = states.get(weight, {})
         if model.factored:
             _rotate(local_matrix(weight), rotation, kind)
-            for name in ("exp_avg", "momentum_buffer"):
-                if name in state:
-                    _rotate(local_matrix(state[name]), rotation, kind)
-            if "exp_avg_sq" in state:
-                _rotate(local_matrix(state["exp_avg_sq"]), rotation.square(), kind)
+            for name in first & state.keys():
+                _rotate(local_matrix(state[name]), rotation, kind)
+            for name in second & state.keys():
+                _rotate(local_matrix(state[name]), rotation.square(), kind)
         else:
             project_(local_matrix(weight), new_basis, kind)
-            if "exp_avg" in state:
-                project_(local_matrix(state["exp_avg"]), new_basis, kind)
+            for name in first & state.keys():
+                project_(local_matrix(state[name]), new_basis, kind)
     model.basis.copy_(new_basis)
 
 
@@ -124,12 +125,9 @@ class SubspaceTracker:
     ``update_every`` steps. Its window sum is part of the checkpoint (per rank), so a resumed
     run makes bit-identical updates."""
 
-    def __init__(self, model_parts, optimizers, *, update_every: int, angle_deg: float,
-                 after_update=lambda: None):  # fmt: skip
+    def __init__(self, model_parts, optimizers, *, update_every: int, angle_deg: float):
         self.model_parts = model_parts
         self.optimizers = optimizers
-        self.after_update = after_update
-        """Called on every rank after each switch (the trainer checks all stages agree)."""
         self.update_every, self.angle_deg = update_every, angle_deg
         basis = model_parts[0].basis
         self.window = torch.zeros_like(basis.detach())
@@ -162,7 +160,6 @@ class SubspaceTracker:
         self.window.zero_()
         self.updates += 1
         self.last_angle_deg = largest_angle_deg(old, new)
-        self.after_update()
         logger.info(
             f"subspace update {self.updates} at step {step}: largest principal angle "
             f"{self.last_angle_deg:.3f} deg, |U'^T U' - I|max {orthonormality(new):.2e}"

@@ -28,8 +28,7 @@ from torchtitan.components.metrics import (
 from torchtitan.tools.utils import device_module, get_local_device
 
 from protocol_models.errors import DataError
-from protocol_models.link import SimulatedLink
-from protocol_models.stage import WireMeter
+from protocol_models.wire import Wire
 
 _CANONICAL = {"loss_metrics/global_avg_loss": "loss", "throughput(tps)": "tps"}
 
@@ -142,16 +141,16 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         wandb_group: str | None = None
         wandb_tags: list[str] = field(default_factory=list)
 
-    wire_meter: WireMeter | None = None
-    """Set by the trainer; summed over the pipeline group at every log step."""
-    link: SimulatedLink | None = None
-    """Set by the trainer when ``[wan]`` is on: ``wan/wait_s`` and ``wan/wire_s`` per step."""
-    subspace = None
-    """Set by the trainer when subspace updates are on: ``subspace/update_angle_deg`` (of the
-    latest update), ``subspace/updates`` and ``subspace/orthonormality``."""
-    ids_checksum: IdsChecksum | None = None
-    """Set by the trainer: fed every training microbatch's token ids; checked across the
-    pipeline group and logged as ``data/ids_checksum`` at every log step."""
+    wire: Wire | None = None
+    """The trainer's wire, handed over after construction as TorchTitan hands over
+    ``optimizers`` and ``model_parts``: its meter is summed over the pipeline group at every log
+    step, its link (``[wan]`` on) gives ``wan/wait_s`` and ``wan/wire_s`` per step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ids_checksum = IdsChecksum()
+        """Fed every training microbatch's token ids by the trainer; checked across the
+        pipeline group and logged as ``data/ids_checksum`` at every log step."""
 
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, **kwargs):
         base = super()._build_metric_logger(
@@ -185,8 +184,9 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         metrics = dict(extra_metrics or {})
         metrics.update(self._wire_metrics())
         metrics.update(self._data_metrics(step))
-        if self.subspace is not None:
-            metrics.update(self.subspace.metrics())
+        subspace = getattr(self.optimizers, "subspace", None)
+        if subspace is not None:  # subspace updates on: angle of the latest, count, U's health
+            metrics.update(subspace.metrics())
         super().log(step, loss, max_loss, grad_norm, extra_metrics=metrics)
 
     def log_validation(self, loss, step, extra_metrics=None):
@@ -210,15 +210,16 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         """Per-step totals and per-boundary bytes (``wire/fwd_bytes/b0`` is boundary 0 -> 1),
         the max leak over boundaries, the link's counters and each stage's peak memory, agreed
         over the pipeline group in two collectives on the training device (log steps only)."""
-        meter, group = self.wire_meter, self._pp_group()
-        if meter is None or group is None:
+        group = self._pp_group()
+        if self.wire is None or group is None:
             return {}
+        meter, link = self.wire.meter, self.wire.link
         device = get_local_device()
         n_stages = self.parallel_dims.pp
         boundaries = range(n_stages - 1)
         counts = [[float(c[b]) for b in boundaries] for c in (meter.fwd, meter.bwd, meter.dense)]
-        link = [self.link.wait_s, self.link.wire_s] if self.link is not None else [0.0, 0.0]
-        sums = torch.tensor([value for row in counts for value in row] + link,
+        waits = [link.wait_s, link.wire_s] if link is not None else [0.0, 0.0]
+        sums = torch.tensor([value for row in counts for value in row] + waits,
                             dtype=torch.float64, device=device)  # fmt: skip
         dist.all_reduce(sums, group=group)
         leaks = [m.pop_boundary_leak() for m in self.model_parts or []]
@@ -248,7 +249,7 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             metrics["subspace/leak"] = maxima[0]
         for s, value in enumerate(maxima[1:]):
             metrics[f"memory/peak_gib/s{s}"] = value / 1024**3
-        if self.link is not None:
+        if link is not None:
             metrics["wan/wait_s"], metrics["wan/wire_s"] = sums[-2:]
         return metrics
 
@@ -257,7 +258,7 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         step (the low 24 bits, exact in any logger). The pipeline stages of a replica must
         agree on all 64 bits -- ids never cross the wire, so each stage reads its own copy of
         the data -- or the run stops with ``DataError``."""
-        checksum = self.ids_checksum.pop() if self.ids_checksum is not None else None
+        checksum = self.ids_checksum.pop()
         if checksum is None:
             return {}
         group = self._pp_group()

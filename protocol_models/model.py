@@ -20,15 +20,15 @@ it; ``F`` never changes and is regenerated from the seed.
 
 The last stage's blocks, the final norm and the (untied) LM head stay full rank. In ``dense``
 mode the same recipe builds the unconstrained twin: stock llama3 blocks and a ``d``-wide wire.
+A lossy ``[protocol] mode`` trains that dense model too; its codec lives on the wire
+(``protocol_models.wire``), never in this module.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -52,18 +52,13 @@ from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.protocols.model_spec import ModelSpec
 
 from protocol_models import subspace
-from protocol_models.codecs import (
-    LOSSY_MODES,
-    Codec,
-    CodecSettings,
-    apply_boundary,
-    build_codec,
-)
-from protocol_models.errors import ConfigError, UserError, require
+from protocol_models.errors import UserError, require
+from protocol_models.layout import stage_layer_ranges
 from protocol_models.loss import chunked_cross_entropy
 
-Mode = Literal["subspace", "dense", "topk", "quant", "lowrank", "svd"]
-Parametrization = Literal["factor", "full"]
+if TYPE_CHECKING:
+    from protocol_models.protocol import ProtocolSettings
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Attention = Literal["sdpa", "flex", "varlen"]
 
@@ -115,78 +110,6 @@ class ModelArch:
         )
 
 
-@dataclass(kw_only=True, slots=True)
-class ProtocolSettings:
-    """The compressed-boundary method (TOML table ``[protocol]``)."""
-
-    mode: Mode = "subspace"
-    """``subspace``: boundaries carry k coordinates; ``dense``: the unconstrained d-wide twin;
-    ``topk``/``quant``/``lowrank``/``svd``: the dense twin with a lossy boundary codec
-    (``[codec]``, see ``protocol_models.codecs``)."""
-    k: int = 8
-    """Subspace rank: coordinates per token per boundary."""
-    seed: int = 1234
-    """Seed of U and F; identical on every stage and node (never the training seed)."""
-    stages: int | None = None
-    """Pipeline layout the constraint is built for (default: parallelism.pipeline_parallel_degree).
-    Set it on a 1-process run to build the exact model an S-stage run trains."""
-    table_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Storage dtype of F on every stage (V x d: 2.1 GB fp32 at LLaMA-3 8B sizes, half in bf16).
-    The codec always computes in fp32; bf16 storage rounds F once, identically on every stage."""
-    update_every: int = 0
-    """Rotate U on the Grassmann manifold every N optimizer steps (0: U stays the seeded basis).
-    See ``protocol_models.grassmann``."""
-    update_angle_deg: float = 5.0
-    """Largest principal angle between U and U' at each update (a normalized geodesic step)."""
-    parametrization: Parametrization = "factor"
-    """Set from ``[optimizer] name`` (not a TOML key): ``full`` for adamw_rowwise/adamw_project."""
-    layers_per_stage: list[int] | None = None
-    """Blocks per pipeline stage, in stage order (default: near-equal, earlier stages take the
-    remainder). One entry per stage of the layout, each >= 1, summing to ``model.n_layers``.
-    The last stage also holds the final norm and the LM head, so a balanced split usually gives
-    it fewer blocks (``python -m protocol_models.plan --propose-split``)."""
-
-    def __post_init__(self) -> None:
-        every = self.update_every
-        require(every >= 0, f"protocol.update_every = {every}: must be >= 0 (0 = no updates)")
-        require(
-            every == 0 or self.mode == "subspace",
-            f"protocol.update_every = {every}: subspace updates need protocol.mode = 'subspace' "
-            f"(got {self.mode!r})",
-        )
-        require(
-            0 < self.update_angle_deg <= 90,
-            f"protocol.update_angle_deg = {self.update_angle_deg}: must be in (0, 90]",
-        )
-
-
-def stage_layer_ranges(
-    n_layers: int, n_stages: int, layers_per_stage: Sequence[int] | None = None
-) -> list[range]:
-    """The contiguous block ids of each of ``n_stages`` pipeline stages.
-
-    ``layers_per_stage`` (``[protocol] layers_per_stage``): block counts per stage, each >= 1
-    (a head-only last stage would put every block upstream of a boundary, so the LM head would
-    read ``F[ids] + U c``: a rank-k bottleneck on the whole model's output), summing to
-    ``n_layers``. ``None``: near-equal ranges, earlier stages take the remainder. The model (which
-    blocks are constrained), the pipeline split and the planner all call this, so they agree.
-    """
-    if layers_per_stage is None:
-        base, extra = divmod(n_layers, n_stages)
-        sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
-    else:
-        sizes = list(layers_per_stage)
-        key = f"protocol.layers_per_stage = {sizes}"
-        if len(sizes) != n_stages:
-            raise ConfigError(f"{key}: expected {n_stages} entries, one per pipeline stage")
-        if min(sizes) < 1:
-            raise ConfigError(f"{key}: every stage needs at least one block")
-        if sum(sizes) != n_layers:
-            raise ConfigError(f"{key}: sums to {sum(sizes)}, expected model.n_layers = {n_layers}")
-    starts = itertools.accumulate(sizes, initial=0)
-    return [range(start, start + size) for start, size in zip(starts, sizes, strict=False)]
-
-
 class ProtocolBlock(Llama3TransformerBlock):
     """A llama3 block whose two residual writes can be confined to span(U).
 
@@ -228,7 +151,7 @@ class ProtocolBlock(Llama3TransformerBlock):
 
 
 class ProtocolModel(Llama3Model):
-    """Llama3 with the frozen ``U``/``F`` root buffers and the boundary codec in its forward.
+    """Llama3 with the frozen ``U``/``F`` root buffers and the subspace codec in its forward.
 
     Root-level buffers survive TorchTitan's pipeline split on every stage. ``F`` is
     non-persistent (regenerated from ``subspace_seed`` on every rank); ``U`` starts as the seeded
@@ -241,19 +164,12 @@ class ProtocolModel(Llama3Model):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3Model.Config):
-        mode: Mode = "subspace"
+        mode: Literal["subspace", "dense"] = "subspace"
         k: int = 8
         subspace_seed: int = 1234
         table_dtype: Literal["float32", "bfloat16"] = "float32"
-        parametrization: Parametrization = "factor"
+        parametrization: Literal["factor", "full"] = "factor"
         track_basis_grad: bool = False
-        codec: CodecSettings = field(default_factory=CodecSettings)
-        codec_after: list[int] = field(default_factory=list)
-        """Lossy modes: ids of the layers whose output crosses a stage boundary (in-graph codec
-        when the next layer is in the same module, i.e. single-process runs)."""
-        codec_microbatch: int = 1
-        """Sequences per pipeline microbatch: the in-graph codec encodes the batch in groups of
-        this size, as the pipelined stage does (matters for ``svd``)."""
         layers_per_stage: list[int] | None = None
         """Blocks per pipeline stage (``ProtocolSettings.layers_per_stage``; None: near-equal):
         the split ``split_stage`` cuts, via ``stage_layer_ranges``."""
@@ -278,7 +194,7 @@ class ProtocolModel(Llama3Model):
         """Max ``subspace.leak`` seen at this stage's outgoing boundary since the last reset."""
         self.measure_leak = True
         """Whether the forward measures the leak (three fp32 ``[mb, seq, d]`` temporaries per
-        microbatch); the trainer turns it on for log steps only."""
+        microbatch); ``start_leak_window`` turns it on for log steps only."""
 
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
         if not self.subspace:
@@ -336,12 +252,8 @@ class ProtocolModel(Llama3Model):
         ids = inputs if self.tok_embeddings is not None else token_ids
         h = self._stream_in(inputs, ids)
         basis = self.basis if self.factored else None
-        for name, layer in self.layers.items():
+        for layer in self.layers.values():
             h = layer(h, attention_masks, positions, basis=basis)
-            if int(name) in self.config.codec_after and str(int(name) + 1) in self.layers:
-                codec = self._boundary_codec()
-                parts = h.split(self.config.codec_microbatch)
-                h = torch.cat([apply_boundary(part, codec) for part in parts])
         if self.norm is None:
             return self._stream_out(h, ids)
         if self.config.loss_chunk_tokens:
@@ -363,13 +275,6 @@ class ProtocolModel(Llama3Model):
         return chunked_cross_entropy(
             normed, self.lm_head.weight, labels, self.config.loss_chunk_tokens
         )
-
-    def _boundary_codec(self) -> Codec:
-        """The lossy codec of the in-graph boundaries (built on first use)."""
-        if getattr(self, "_codec", None) is None:
-            c = self.config
-            self._codec = build_codec(c.mode, c.codec, c.dim, c.subspace_seed)
-        return self._codec
 
     def _stream_in(self, inputs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The residual stream ``[mb, seq, d]`` entering this stage, in the compute dtype.
@@ -401,6 +306,12 @@ class ProtocolModel(Llama3Model):
             )
         return subspace.encode(h, ids, basis, self.token_table)
 
+    def start_leak_window(self, measure: bool) -> None:
+        """Forget the leak seen so far (e.g. during validation) and measure it from now on iff
+        ``measure``. The trainer calls it before every step; ``pop_boundary_leak`` (the metrics
+        processor, at log steps) is the one reader."""
+        self.boundary_leak, self.measure_leak = None, measure
+
     def pop_boundary_leak(self) -> torch.Tensor | None:
         """Return and reset the max leak (a 0-d device tensor) recorded since the last call
         (None: no boundary, or not measured)."""
@@ -416,7 +327,7 @@ def local_matrix(t: torch.Tensor) -> torch.Tensor:
         return t
     if t.device_mesh.size() > 1:
         raise UserError(
-            "optimizer.name = 'muon' / 'adamw_rowwise' / 'adamw_project' and subspace updates "
+            "this optimizer (see optimizers.OPTIMIZERS: whole_matrices) and subspace updates "
             "need whole matrices on each rank: use parallelism.data_parallel_shard_degree = 1 "
             "(replicate, not FSDP-shard)"
         )
@@ -446,27 +357,19 @@ def _inner_attention(name: Attention):
     }[name]()
 
 
-def build_model_config(
-    arch: ModelArch,
-    protocol: ProtocolSettings,
-    n_stages: int,
-    codec: CodecSettings | None = None,
-    microbatch: int = 1,
-):
+def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: int):
     """A ``ProtocolModel.Config`` for ``arch`` laid out over ``n_stages`` pipeline stages
     (``stage_layer_ranges`` with ``protocol.layers_per_stage``).
 
     In subspace mode every block outside the last stage's range is constrained, and the token
     embedding is ``V x k``; the last stage's blocks are stock. With ``n_stages == 1`` nothing is
     upstream of a boundary, so nothing is constrained (use ``protocol.stages`` to build an
-    S-stage model in one process). A lossy ``protocol.mode`` builds the dense model with
-    ``codec`` at the ``n_stages - 1`` boundaries, applied per ``microbatch`` sequences.
+    S-stage model in one process). Every mode but ``subspace`` builds the dense model.
     """
     subspace_mode = protocol.mode == "subspace" and n_stages > 1
     factored = subspace_mode and protocol.parametrization == "factor"
     ranges = stage_layer_ranges(arch.n_layers, n_stages, protocol.layers_per_stage)
     last_stage = ranges[-1]
-    lossy = protocol.mode in LOSSY_MODES
     hidden = arch.hidden_dim
     head_dim = arch.dim // arch.n_heads
     layers = []
@@ -509,10 +412,7 @@ def build_model_config(
         dim=arch.dim,
         vocab_size=arch.vocab_size,
         loss_chunk_tokens=arch.loss_chunk_tokens,
-        mode=protocol.mode if lossy else ("subspace" if subspace_mode else "dense"),
-        codec=codec or CodecSettings(),
-        codec_after=[r[-1] for r in ranges[:-1]] if lossy else [],
-        codec_microbatch=microbatch,
+        mode="subspace" if subspace_mode else "dense",
         layers_per_stage=protocol.layers_per_stage,
         k=protocol.k,
         subspace_seed=protocol.seed,
@@ -538,18 +438,20 @@ def build_model_spec(
     arch: ModelArch,
     protocol: ProtocolSettings,
     n_stages: int,
+    *,
     pipelining_fn,
-    codec: CodecSettings | None = None,
-    microbatch: int = 1,
+    parallelize_fn=parallelize_llama,
+    post_optimizer_build_fn=None,
 ) -> ModelSpec:
-    """The ``ModelSpec`` TorchTitan's Trainer builds from: our config, llama3's parallelize."""
+    """The ``ModelSpec`` TorchTitan's Trainer builds from: our model config and the trainer's
+    functions (default parallelize: llama3's)."""
     return ModelSpec(
         name="protocol_llama3",
         flavor=f"{protocol.mode}-k{protocol.k}" if protocol.mode == "subspace" else protocol.mode,
-        model=build_model_config(arch, protocol, n_stages, codec, microbatch),
-        parallelize_fn=parallelize_llama,
+        model=build_model_config(arch, protocol, n_stages),
+        parallelize_fn=parallelize_fn,
         pipelining_fn=pipelining_fn,
-        post_optimizer_build_fn=None,
+        post_optimizer_build_fn=post_optimizer_build_fn,
         state_dict_adapter=None,
     )
 
@@ -558,9 +460,7 @@ __all__ = [
     "ModelArch",
     "ProtocolBlock",
     "ProtocolModel",
-    "ProtocolSettings",
     "build_model_config",
     "build_model_spec",
     "project_",
-    "stage_layer_ranges",
 ]

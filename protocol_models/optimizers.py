@@ -16,11 +16,19 @@ Each keeps every boundary exact; the dense twin of each runs the same rule on th
   row-constant second moment on the same matrices, without the projection;
 * ``adamw_project`` (full-width writers, variant B): stock AdamW, then
   ``W <- U U^T W`` and ``E <- E U U^T`` after every step. Dense twin: AdamW.
+
+**Adding an optimizer** is one ``torch.optim.Optimizer`` class plus one ``OptimizerEntry`` in
+``OPTIMIZERS`` (``register_optimizer``): its factory, the parametrization it trains, whether it
+needs whole matrices, the state keys subspace updates re-express, its state bytes per parameter
+(the planner's memory) and its fair dense twin. ``[optimizer] name``, the config check, the
+planner, ``protocol_models.grassmann`` and the recipes read the entry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
@@ -31,8 +39,9 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import get_local_device
 
-from protocol_models.errors import NonFiniteError
+from protocol_models.errors import NonFiniteError, require
 from protocol_models.model import local_matrix, project_
+from protocol_models.protocol import Parametrization
 
 BLOCK_MATRICES = r"^layers\.\d+\.(attention|feed_forward)\."
 """Parameter names Muon trains: every projection inside a block (norms are ``*_norm``)."""
@@ -181,6 +190,82 @@ def bind_subspace(optimizers: OptimizersContainer, model_parts) -> None:
                 optimizer.bind(constrained, basis_fn)
 
 
+@dataclass(frozen=True, kw_only=True)
+class OptimizerEntry:
+    """One ``[optimizer] name``: what every part of the plugin needs to know about it."""
+
+    factory: Callable[..., torch.optim.Optimizer]
+    """``factory(param_groups, **kwargs)``: the optimizer of every parameter (of every parameter
+    outside the block matrices when ``matrix_factory`` is set), with AdamW's ``[optimizer]``
+    keys (lr, betas, eps, weight_decay)."""
+    group: str
+    """The name TorchTitan's container groups and logs its parameters under."""
+    matrix_factory: Callable[..., torch.optim.Optimizer] | None = None
+    """The optimizer of the block matrices (``BLOCK_MATRICES``), with the ``muon_*`` keys."""
+    matrix_group: str = ""
+    parametrization: Parametrization = "factor"
+    """``factor``: the constrained writers are the k-wide factors A (W = U A); ``full``:
+    full-width, kept in span(U) by the optimizer (``SubspaceAdamW.bind``)."""
+    whole_matrices: bool = False
+    """Needs each parameter whole on its rank (no FSDP sharding)."""
+    first_moments: tuple[str, ...] = ()
+    """State keys shaped like the parameter and linear in its basis (rotated or projected with
+    it by a subspace update)."""
+    second_moments: tuple[str, ...] = ()
+    """State keys of elementwise squares (rotated by squared entries, factor parametrization)."""
+    state_bytes: int = 8
+    """Optimizer-state bytes per parameter, an upper bound (the planner's memory)."""
+    dense_twin: str | None = None
+    """The ``[optimizer] name`` of the fair dense twin (None: this one)."""
+
+    def factories(self) -> dict[str, Callable[..., torch.optim.Optimizer]]:
+        groups = {self.group: self.factory}
+        if self.matrix_factory is not None:
+            groups[self.matrix_group] = self.matrix_factory
+        return groups
+
+
+OPTIMIZERS: dict[str, OptimizerEntry] = {}
+"""The optimizers by ``[optimizer] name``, in the order the studies list them."""
+
+
+def register_optimizer(name: str, entry: OptimizerEntry) -> None:
+    """Make ``entry`` selectable as ``[optimizer] name``."""
+    OPTIMIZERS[name] = entry
+
+
+_ADAM_MOMENTS = {"first_moments": ("exp_avg",), "second_moments": ("exp_avg_sq",)}
+register_optimizer("adamw", OptimizerEntry(factory=torch.optim.AdamW, group="AdamW",
+                                           **_ADAM_MOMENTS))  # fmt: skip
+register_optimizer(
+    "adamw_rowwise",
+    OptimizerEntry(
+        factory=partial(SubspaceAdamW, rule="rowwise"), group="RowwiseAdamW",
+        parametrization="full", whole_matrices=True, first_moments=("exp_avg",),
+    ),
+)  # fmt: skip
+register_optimizer(
+    "muon",
+    OptimizerEntry(
+        factory=torch.optim.AdamW, group="AdamW", matrix_factory=Muon, matrix_group="Muon",
+        whole_matrices=True, first_moments=("exp_avg", "momentum_buffer"),
+        second_moments=("exp_avg_sq",),
+    ),
+)  # fmt: skip
+register_optimizer(
+    "adamw_project",
+    OptimizerEntry(
+        factory=partial(SubspaceAdamW, rule="project"), group="ProjectedAdamW",
+        parametrization="full", whole_matrices=True, dense_twin="adamw", **_ADAM_MOMENTS,
+    ),
+)  # fmt: skip
+
+
+def moment_keys(kind: str) -> set[str]:
+    """Every registered optimizer's ``first`` or ``second`` moment state keys."""
+    return {key for e in OPTIMIZERS.values() for key in getattr(e, f"{kind}_moments")}
+
+
 class GuardedOptimizers(OptimizersContainer):
     """TorchTitan's optimizer container that refuses non-finite steps.
 
@@ -194,12 +279,15 @@ class GuardedOptimizers(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         skip_nonfinite_steps: int = 0
+        name: str = "adamw"
+        """The ``[optimizer] name`` (an ``OPTIMIZERS`` key) the param groups come from."""
 
     current_step: int = 0
     """Set by the trainer before each step; named in the error."""
     subspace = None
-    """The trainer's ``grassmann.SubspaceTracker`` when subspace updates are on: told about
-    every applied (or skipped) step, right after the parameter update."""
+    """The ``grassmann.SubspaceTracker`` when subspace updates are on (given by the model
+    spec's ``post_optimizer_build_fn``): told about every applied (or skipped) step, right after
+    the parameter update; the metrics processor logs its figures."""
 
     def __init__(self, config: Config, *, model_parts):
         super().__init__(config, model_parts=model_parts)
@@ -208,11 +296,9 @@ class GuardedOptimizers(OptimizersContainer):
 
     @staticmethod
     def _resolve_optimizer_factory(name: str):
-        if name == "Muon":
-            return Muon
-        if name in ("RowwiseAdamW", "ProjectedAdamW"):
-            rule = "rowwise" if name == "RowwiseAdamW" else "project"
-            return lambda params, **kwargs: SubspaceAdamW(params, rule=rule, **kwargs)
+        for entry in OPTIMIZERS.values():
+            if name in entry.factories():
+                return entry.factories()[name]
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def step(self, closure=None):
@@ -258,8 +344,9 @@ class GuardedOptimizers(OptimizersContainer):
 class OptimizerSettings:
     """TOML table ``[optimizer]``: one optimizer over all parameters."""
 
-    name: Literal["adamw", "adamw_rowwise", "muon", "adamw_project"] = "muon"
-    """Default ``muon``: the best of the subspace ablation (README, results/subspace_ablation)."""
+    name: str = "muon"
+    """An ``OPTIMIZERS`` key (``adamw``, ``adamw_rowwise``, ``muon``, ``adamw_project``, ...).
+    Default ``muon``: the best of the subspace ablation (results/subspace_ablation)."""
     lr: float = 8e-4
     """AdamW's learning rate (with ``muon``: for the embedding, head and norms)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -273,10 +360,18 @@ class OptimizerSettings:
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
 
+    def __post_init__(self) -> None:
+        allowed = list(OPTIMIZERS)
+        require(self.name in allowed, f"optimizer.name = {self.name!r}: expected one of {allowed}")
+
+    @property
+    def entry(self) -> OptimizerEntry:
+        return OPTIMIZERS[self.name]
+
     @property
     def parametrization(self) -> str:
         """The writer parametrization this optimizer trains (``protocol_models.model``)."""
-        return "full" if self.name in ("adamw_rowwise", "adamw_project") else "factor"
+        return self.entry.parametrization
 
     def _resolved_implementation(self) -> str:
         if self.implementation != "auto":
@@ -292,25 +387,22 @@ class OptimizerSettings:
             "eps": self.eps,
             "weight_decay": self.weight_decay,
         }
-        adamw = {"adamw_rowwise": "RowwiseAdamW", "adamw_project": "ProjectedAdamW"}
-        groups = [
-            ParamGroupConfig(
-                pattern=".*",
-                optimizer_name=adamw.get(self.name, "AdamW"),
-                optimizer_kwargs=kwargs,
-            )
-        ]
-        if self.name == "muon":
+        entry = self.entry
+        groups = [ParamGroupConfig(pattern=".*", optimizer_name=entry.group,
+                                   optimizer_kwargs=kwargs)]  # fmt: skip
+        if entry.matrix_factory is not None:
             muon = {"lr": self.muon_lr, "momentum": self.muon_momentum,
                     "weight_decay": self.muon_weight_decay}  # fmt: skip
             groups.insert(
                 0,
                 ParamGroupConfig(
-                    pattern=BLOCK_MATRICES, optimizer_name="Muon", optimizer_kwargs=muon
+                    pattern=BLOCK_MATRICES, optimizer_name=entry.matrix_group,
+                    optimizer_kwargs=muon,
                 ),
-            )
+            )  # fmt: skip
         return GuardedOptimizers.Config(
             param_groups=groups,
             implementation=self._resolved_implementation(),
             skip_nonfinite_steps=self.skip_nonfinite_steps,
+            name=self.name,
         )

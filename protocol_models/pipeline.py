@@ -1,9 +1,14 @@
-"""The plugin's ``ModelSpec.pipelining_fn``: one ``WirePipelineStage`` per pipeline rank.
+"""The plugin's ``ModelSpec.pipelining_fn`` and ``parallelize_fn``.
 
-It mirrors TorchTitan's ``pipeline_llm`` contract -- returns ``(schedule, model_parts,
-has_first_stage, has_last_stage)`` -- but splits the model with ``stage_layer_ranges`` (the same
+``pipeline_protocol`` builds one ``WirePipelineStage`` per pipeline rank. It mirrors TorchTitan's
+``pipeline_llm`` contract -- returns ``(schedule, model_parts, has_first_stage,
+has_last_stage)`` -- but splits the model with ``stage_layer_ranges`` (the same
 split the model used to decide which blocks are constrained) and builds our stage subclass.
 Only single-stage-per-rank schedules (GPipe, 1F1B) are supported; the config layer refuses others.
+
+``parallelize_protocol`` is llama3's parallelize, then (lossy modes) the in-graph codec at every
+stage boundary inside the module it got: all of them in a single-process run with
+``protocol.stages = S``, none in a pipeline stage's chunk (its boundaries are on the wire).
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.microbatch import sum_reducer
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torchtitan.models.llama3 import parallelize_llama
 
-from protocol_models.codecs import Codec
-from protocol_models.link import SimulatedLink
-from protocol_models.model import stage_layer_ranges
-from protocol_models.stage import WireMeter, WirePipelineStage
+from protocol_models.layout import stage_layer_ranges
+from protocol_models.wire import Wire
+from protocol_models.wire.codecs import install_in_graph
+from protocol_models.wire.stage import WirePipelineStage
 
 SCHEDULES = ("GPipe", "1F1B")
 
@@ -57,12 +63,10 @@ def pipeline_protocol(
     model_config,
     parallelize_fn,
     loss_fn,
-    meter: WireMeter,
-    link: SimulatedLink | None = None,
-    codec: Codec | None = None,
+    wire: Wire,
 ):
     """Split ``model`` for this pipeline rank, parallelize the chunk, and build the schedule
-    (``codec``: the lossy boundary codec the stage applies at its send/recv hooks)."""
+    (``wire``: the run's meter, lossy codec and link, used at the stage's send/recv hooks)."""
     pp_mesh = parallel_dims.get_mesh("pp")
     n_stages, stage_index = pp_mesh.size(), pp_mesh.get_local_rank()
     chunk = split_stage(model, stage_index, n_stages)
@@ -81,9 +85,7 @@ def pipeline_protocol(
         n_stages,
         device,
         group=pp_mesh.get_group("pp"),
-        meter=meter,
-        link=link,
-        codec=codec,
+        wire=wire,
     )
 
     def scalar_loss(*args, **kwargs) -> torch.Tensor:
@@ -100,3 +102,13 @@ def pipeline_protocol(
         output_merge_spec=sum_reducer if model_config.loss_chunk_tokens else None,
     )
     return schedule, [chunk], stage.is_first, stage.is_last
+
+
+def parallelize_protocol(model: nn.Module, *, wire: Wire, n_stages: int, microbatch: int,
+                         **parallelize_kwargs) -> nn.Module:  # fmt: skip
+    """llama3's parallelize, then ``wire.codec`` in-graph at the ``n_stages`` layout's
+    boundaries inside ``model``, ``microbatch`` sequences at a time (module docstring)."""
+    model = parallelize_llama(model, **parallelize_kwargs)
+    if wire.codec is not None:
+        install_in_graph(model, wire.codec, n_stages, microbatch)
+    return model

@@ -18,8 +18,10 @@ bytes of ``mixed_precision_param`` (2 for bf16); ``T``: tokens per microbatch; `
 per step; ``n``: microbatches in flight (GPipe: ``M``; 1F1B: ``min(M, S - s)``); ``d``, ``kv``,
 ``h``, ``H``, ``V``, ``k``: width, key/value width, SwiGLU width, heads, vocabulary, subspace rank.
 
-* state ``16 P / D``: fp32 parameters and gradients, AdamW's two fp32 moments, FSDP-sharded
-  (an upper bound by ``4 P / D``: TorchTitan frees the sharded gradients between steps);
+* state ``(8 + o) P / D``: fp32 parameters and gradients and ``o`` bytes of optimizer state per
+  parameter (the optimizer's ``OptimizerEntry.state_bytes``: 8 for AdamW's two fp32 moments, an
+  upper bound for the others), FSDP-sharded (an upper bound by ``4 P / D``: TorchTitan frees
+  the sharded gradients between steps);
 * unsharded ``(a + 4) P``: TorchTitan applies FSDP at every degree (1 included) and under
   pipeline parallelism does not reshard after the forward
   (``get_fsdp_reshard_after_forward_policy``); the pipeline's backward keeps the parameters
@@ -59,7 +61,8 @@ forward is ``2 W T + 4 L d seq T`` per microbatch, the backward the rest.
 Step time: GPipe runs every microbatch forward through the S stages and S - 1 links, then
 backward. A link is one more server of the pipeline, taking ``8 R m / bandwidth + latency`` per
 microbatch message of ``m`` bytes (the ``R`` data-parallel replicas of a boundary share the link;
-one replica's messages pay the latency one after another, as ``protocol_models.link`` simulates).
+one replica's messages pay the latency one after another, as ``protocol_models.wire.link``
+simulates; sizes and times: ``wire.sizes.message_bytes``, ``wire.link.transfer_seconds``).
 A pass over servers with per-microbatch times ``t_i`` takes ``sum(t_i) + (M - 1) max(t_i)``:
 with no link and equal stages, ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
 Step = forward pass + backward pass (1F1B has the same bubble and is predicted alike). FSDP's
@@ -85,11 +88,15 @@ from dataclasses import dataclass
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-from protocol_models.codecs import build_codec
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
-from protocol_models.model import build_model_config, stage_layer_ranges
+from protocol_models.layout import stage_layer_ranges
+from protocol_models.model import build_model_config
+from protocol_models.optimizers import OPTIMIZERS
 from protocol_models.pipeline import split_stage
+from protocol_models.wire.codecs import build_codec
+from protocol_models.wire.link import transfer_seconds
+from protocol_models.wire.sizes import message_bytes as boundary_message_bytes
 
 GIB = 1024**3
 MARGIN = 1.10
@@ -208,8 +215,9 @@ def stage_cost(
         else:
             logits = (a + 4) * v * in_flight * tokens + 8 * v * tokens
     table_bytes = 2 if protocol.table_dtype == "bfloat16" else 4
+    state = 8 + OPTIMIZERS[config.optimizer.name].state_bytes
     memory = {
-        "state 16P/D": 16 * params / max(par.data_parallel_shard_degree, 1),
+        f"state {state}P/D": state * params / max(par.data_parallel_shard_degree, 1),
         "unsharded": (a + 4) * params,
         "activations": activations,
         "logits": logits,
@@ -301,27 +309,25 @@ def twin(config):
 
 
 def message_bytes(config) -> tuple[int, int]:
-    """Bytes of one microbatch's forward and backward message at a boundary: ``mb x seq``
-    tokens of k (subspace) or d (dense) coordinates in the compute dtype, or a lossy codec's
-    payload (``Codec.payload_bytes``)."""
+    """Bytes of one microbatch's forward and backward message at a boundary
+    (``wire.sizes.message_bytes`` at the ``[mb, seq, d]`` boundary in the compute dtype)."""
     arch, protocol = config.model, config.protocol
-    act_bytes, _, tokens = _microbatching(config)
+    act_bytes, _, _ = _microbatching(config)
     codec = build_codec(protocol.mode, config.codec, arch.dim, protocol.seed)
-    if codec is None:
-        width = protocol.k if protocol.mode == "subspace" else arch.dim
-        return tokens * width * act_bytes, tokens * width * act_bytes
-    shape = torch.Size(
-        [config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len, arch.dim]
-    )
+    shape = (config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len,
+             arch.dim)  # fmt: skip
     dtype = torch.bfloat16 if act_bytes == 2 else torch.float32
-    return (codec.payload_bytes(shape, dtype, "fwd"), codec.payload_bytes(shape, dtype, "bwd"))
+    return tuple(
+        boundary_message_bytes(protocol.mode, shape, dtype, direction, k=protocol.k, codec=codec)
+        for direction in ("fwd", "bwd")
+    )
 
 
 def wire_plan(config) -> dict:
     """Bytes per step at each boundary (both directions, all data-parallel replicas), the
     configured mode's and dense's."""
     act_bytes, n_mb, tokens = _microbatching(config)
-    replicas = _replicas(config)
+    replicas = config.replicas
     fwd, bwd = message_bytes(config)
     dense = 2 * n_mb * replicas * tokens * config.model.dim * act_bytes
     per_boundary = n_mb * replicas * (fwd + bwd)
@@ -341,11 +347,11 @@ def predict_step(
     (the busiest stage's compute per step), ``link_s`` (one forward message on a link),
     ``step_s``; and ``tokens_per_s`` over all data-parallel replicas."""
     _, n_mb, _ = _microbatching(config)
-    replicas = _replicas(config)
+    replicas = config.replicas
+    bandwidth_bps = bandwidth_mbps * 1e6 if bandwidth_mbps else math.inf
 
     def link_seconds(nbytes: int) -> float:
-        transfer = 8 * replicas * nbytes / (bandwidth_mbps * 1e6) if bandwidth_mbps else 0.0
-        return transfer + latency_ms / 1e3
+        return transfer_seconds(replicas * nbytes, bandwidth_bps, latency_ms / 1e3)
 
     def one_pass(stage_seconds: list[float], link: float) -> float:
         links = len(stage_seconds) - 1
@@ -367,12 +373,6 @@ def predict_step(
 
 def _compute_seconds(config, flops: float, mfu: float) -> float:
     return flops / (mfu * config.hardware.peak_tflops * 1e12)
-
-
-def _replicas(config) -> int:
-    """Data-parallel replicas of each stage (they share a boundary's link)."""
-    par = config.parallelism
-    return par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
 
 
 def _microbatching(config) -> tuple[int, int, int]:
@@ -399,7 +399,7 @@ def render(
 ) -> str:
     """The planner's report: layout, the per-stage table, wire bytes, predicted step times."""
     hw, par, arch = config.hardware, config.parallelism, config.model
-    dp = _replicas(config)
+    dp = config.replicas
     world = config.layout_stages * dp * par.tensor_parallel_degree
     _, n_mb, _ = _microbatching(config)
     ac = config.activation_checkpoint

@@ -1,7 +1,10 @@
 """TorchTitan Trainer and Validator extensions for Protocol Models.
 
-* The ``ModelSpec`` is derived from the config's ``[model]`` and ``[protocol]`` tables, with the
-  plugin's pipelining function bound to this trainer's wire meter.
+* The ``ModelSpec`` is derived from the config's ``[model]`` and ``[protocol]`` tables. The
+  trainer owns the run's ``Wire`` (meter, codec, link: built once) and hands it at construction
+  to the pipelining and parallelize functions the spec carries; the metrics processor reads it.
+* ``ModelSpec.post_optimizer_build_fn`` binds the subspace optimizers to the model and, with
+  ``[protocol] update_every``, gives the optimizer container its ``SubspaceTracker``.
 * Token ids reach every pipeline stage as the forward kwarg ``token_ids``: every rank of a
   pipeline group reads the same microbatches, so ids never cross the wire (a checksum of them is
   compared across the stages at every log step).
@@ -28,23 +31,20 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from protocol_models.codecs import LOSSY_MODES, CodecSettings, build_codec
 from protocol_models.console import Progress
 from protocol_models.data import TextDataLoader
 from protocol_models.errors import StartupError
 from protocol_models.grassmann import SubspaceTracker
-from protocol_models.link import LinkSettings, SimulatedLink
+from protocol_models.layout import stage_layer_ranges
 from protocol_models.loss import ModelLoss
-from protocol_models.metrics import IdsChecksum, ProtocolMetricsProcessor
-from protocol_models.model import (
-    ModelArch,
-    ProtocolSettings,
-    build_model_spec,
-    stage_layer_ranges,
-)
+from protocol_models.metrics import ProtocolMetricsProcessor
+from protocol_models.model import ModelArch, build_model_spec
 from protocol_models.optimizers import bind_subspace
-from protocol_models.pipeline import pipeline_protocol
-from protocol_models.stage import WireMeter
+from protocol_models.pipeline import parallelize_protocol, pipeline_protocol
+from protocol_models.protocol import ProtocolSettings
+from protocol_models.wire import Wire
+from protocol_models.wire.codecs import CodecSettings
+from protocol_models.wire.link import LinkSettings
 
 
 def add_protocol_kwargs(
@@ -119,23 +119,27 @@ class ProtocolTrainer(Trainer):
             """The pipeline layout the model is built for."""
             return self.protocol.stages or self.parallelism.pipeline_parallel_degree
 
+        @property
+        def replicas(self) -> int:
+            """Data-parallel ranks per pipeline stage (replicated x FSDP-sharded); they share
+            their stage's boundary links."""
+            par = self.parallelism
+            return par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
+
     def __init__(self, config: Config):
-        self.wire_meter = WireMeter(dim=config.model.dim)
-        self.link = SimulatedLink(config.wan) if config.wan.enabled else None
+        self.wire = Wire.from_config(config)
         config.model_spec = build_model_spec(
             config.model,
             config.protocol,
             config.layout_stages,
-            pipelining_fn=partial(
-                pipeline_protocol,
-                meter=self.wire_meter,
-                link=self.link,
-                codec=build_codec(
-                    config.protocol.mode, config.codec, config.model.dim, config.protocol.seed
-                ),
+            pipelining_fn=partial(pipeline_protocol, wire=self.wire),
+            parallelize_fn=partial(
+                parallelize_protocol,
+                wire=self.wire,
+                n_stages=config.layout_stages,
+                microbatch=config.parallelism.pipeline_parallel_microbatch_size,
             ),
-            codec=config.codec,
-            microbatch=config.parallelism.pipeline_parallel_microbatch_size,
+            post_optimizer_build_fn=partial(after_optimizers_built, protocol=config.protocol),
         )
         if config.model.loss_chunk_tokens:
             config.loss = ModelLoss.Config()
@@ -145,24 +149,14 @@ class ProtocolTrainer(Trainer):
         logger.info(
             f"MFU is measured against [hardware] peak_tflops = {config.hardware.peak_tflops:g}"
         )
-        self.metrics_processor.wire_meter = self.wire_meter
-        self.metrics_processor.link = self.link
-        self.metrics_processor.ids_checksum = IdsChecksum()
+        self.metrics_processor.wire = self.wire  # as TorchTitan hands it optimizers, model_parts
         self.check_stages_agree()
-        bind_subspace(self.optimizers, self.model_parts)
-        protocol = config.protocol
-        self.subspace_tracker = None
-        if protocol.update_every > 0 and self.model_parts[0].subspace:
-            self.subspace_tracker = SubspaceTracker(
-                self.model_parts,
-                self.optimizers,
-                update_every=protocol.update_every,
-                angle_deg=protocol.update_angle_deg,
-                after_update=self.check_stages_agree,
-            )
-        self.optimizers.subspace = self.subspace_tracker
-        self.metrics_processor.subspace = self.subspace_tracker
         self.table_digest = self.model_parts[0].table_sha256
+
+    @property
+    def subspace_tracker(self) -> SubspaceTracker | None:
+        """The optimizer container's subspace updates (None: U stays fixed)."""
+        return self.optimizers.subspace
 
     def check_stages_agree(self) -> None:
         """Every pipeline stage must hold the same subspace (U, F and their seed) and layout;
@@ -258,13 +252,12 @@ class ProtocolTrainer(Trainer):
     def train_step(self, data_iterator):
         self.progress.begin(self.step)
         self.optimizers.current_step = self.step
-        self.wire_meter.reset()
-        if self.link is not None:
-            self.link.reset_counters()
+        self.wire.meter.reset()
+        if self.wire.link is not None:
+            self.wire.link.reset_counters()
         measure = self.metrics_processor.should_log(self.step)
         for part in self.model_parts:
-            part.pop_boundary_leak()
-            part.measure_leak = measure
+            part.start_leak_window(measure)
         super().train_step(data_iterator)
         if measure:
             logger.info(self.progress.line(self.step))
@@ -357,6 +350,21 @@ def protocol_identity(config: ProtocolTrainer.Config) -> str:
         config.model.n_layers, config.layout_stages, protocol.layers_per_stage
     )
     identity += f", layers per stage {[len(r) for r in ranges]}"
-    if protocol.mode in LOSSY_MODES:
-        identity += f", codec {config.codec}"
+    codec = config.codec.identity(protocol.mode)
+    if codec:
+        identity += f", codec {protocol.mode}({codec})"
     return identity
+
+
+def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol) -> None:
+    """``ModelSpec.post_optimizer_build_fn``: tell the subspace optimizers which weights are
+    constrained and where U is, and (``protocol.update_every`` > 0, subspace mode) give the
+    optimizer container the ``SubspaceTracker`` it runs after every applied step."""
+    bind_subspace(optimizers, model_parts)
+    if protocol.update_every > 0 and model_parts[0].subspace:
+        optimizers.subspace = SubspaceTracker(
+            model_parts,
+            optimizers,
+            update_every=protocol.update_every,
+            angle_deg=protocol.update_angle_deg,
+        )

@@ -8,11 +8,12 @@ Every run is the shared reference workload (``configs/reference_cpu.toml``: Shak
 tokens) trained in one process with ``protocol.stages = 4`` -- the exact model a 4-process
 pipeline trains (tests/test_exactness.py), at a quarter of the processes.
 
-* subspace x {adamw, adamw_rowwise, muon, adamw_project} x {updates off, every 40 steps};
-* the fair dense twin of each optimizer: the same rule on the same matrices (``adamw`` for
-  ``adamw`` and ``adamw_project``, whose projection has no dense counterpart; row-wise second
-  moments on the same writers for ``adamw_rowwise``; Muon on the same block matrices for
-  ``muon``);
+* subspace x every registered optimizer (``protocol_models.optimizers.OPTIMIZERS``: adamw,
+  adamw_rowwise, muon, adamw_project) x {updates off, every 40 steps};
+* the fair dense twin of each optimizer (its ``OptimizerEntry.dense_twin``): the same rule on the
+  same matrices (``adamw`` for ``adamw`` and ``adamw_project``, whose projection has no dense
+  counterpart; row-wise second moments on the same writers for ``adamw_rowwise``; Muon on the
+  same block matrices for ``muon``);
 * a second seed (``debug.seed = 1``) for the best subspace configuration and its twin.
 
 Writes ``results/subspace_ablation/{results.json,table.md,val_loss.png}``; runs are cached in
@@ -26,18 +27,17 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import (
+from protocol_models.optimizers import OPTIMIZERS as REGISTRY
+from recipes.common import (
     REPO,
     read_jsonl,
     repo_relative,
+    steps_to_reach,
     train_cached,
     validation_curve,
     wall_seconds,
 )
 
-OPTIMIZERS = ["adamw", "adamw_rowwise", "muon", "adamw_project"]
-TWIN = {"adamw": "adamw", "adamw_rowwise": "adamw_rowwise", "muon": "muon",
-        "adamw_project": "adamw"}  # fmt: skip
 UPDATE_EVERY = 40  # 7 updates in 300 steps, none right before the final validation
 UPDATE_ANGLE_DEG = 5.0
 OUT = REPO / "results" / "subspace_ablation"
@@ -55,6 +55,18 @@ def overrides(mode: str, optimizer: str, updates: bool, seed: int) -> list[str]:
         else []
     )  # fmt: skip
     return ["--optimizer.name", optimizer, "--debug.seed", str(seed), *extra]
+
+
+def twin(optimizer: str) -> str:
+    """The optimizer of ``optimizer``'s fair dense twin (``OptimizerEntry.dense_twin``)."""
+    return REGISTRY[optimizer].dense_twin or optimizer
+
+
+def first_jobs() -> list[tuple[str, str, bool, int]]:
+    """Seed 0 of every (mode, optimizer, updates) run: each registered optimizer with U fixed
+    and with updates, and every dense twin once."""
+    jobs = [("subspace", o, u, 0) for o in REGISTRY for u in (False, True)]
+    return jobs + [("dense", o, False, 0) for o in sorted({twin(o) for o in REGISTRY})]
 
 
 def run_name(mode: str, optimizer: str, updates: bool, seed: int) -> str:
@@ -79,15 +91,6 @@ def collect(mode: str, optimizer: str, updates: bool, seed: int) -> dict:
     }
 
 
-def twin_steps_to(curve: list[list[float]], target: float) -> float | None:
-    """Steps the twin needs to reach ``target``: linear interpolation between its validation
-    points (every 50 steps); None if it never gets there within the run."""
-    for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
-        if l1 <= target:
-            return s0 + (s1 - s0) * (l0 - target) / (l0 - l1) if l0 > target else s0
-    return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--render-only", action="store_true", help="no runs: re-render")
@@ -96,15 +99,14 @@ def main() -> None:
     if args.render_only:
         results = json.loads((OUT / "results.json").read_text())
     else:
-        jobs = [("subspace", o, u, 0) for o in OPTIMIZERS for u in (False, True)]
-        jobs += [("dense", o, False, 0) for o in sorted(set(TWIN.values()))]
+        jobs = first_jobs()
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             done = pool.map(lambda job: collect(*job), jobs)
             runs = {run_name(*job): r for job, r in zip(jobs, done, strict=True)}
         best = min((r for r in runs.values() if r["mode"] == "subspace"),
                    key=lambda r: r["final_val_loss"])  # fmt: skip
         second = [("subspace", best["optimizer"], best["updates"], 1),
-                  ("dense", TWIN[best["optimizer"]], False, 1)]  # fmt: skip
+                  ("dense", twin(best["optimizer"]), False, 1)]  # fmt: skip
         with ThreadPoolExecutor(max_workers=2) as pool:
             for job, r in zip(second, pool.map(lambda j: collect(*j), second), strict=True):
                 runs[run_name(*job)] = r
@@ -116,6 +118,11 @@ def main() -> None:
     print((OUT / "table.md").read_text())
 
 
+def studied(results: dict) -> list[str]:
+    """The registered optimizers ``results`` holds runs of, in registry order."""
+    return [o for o in REGISTRY if run_name("subspace", o, False, 0) in results["runs"]]
+
+
 def render_table(results: dict) -> str:
     runs = results["runs"]
     lines = [
@@ -124,14 +131,14 @@ def render_table(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     schedule = f"{results['update_angle_deg']:g} deg every {results['update_every']} steps"
-    for optimizer in OPTIMIZERS:
-        twin = runs[run_name("dense", TWIN[optimizer], False, 0)]
+    for optimizer in studied(results):
+        dense = runs[run_name("dense", twin(optimizer), False, 0)]
         for updates in (False, True):
             run = runs[run_name("subspace", optimizer, updates, 0)]
-            gap = 100 * (run["final_val_loss"] / twin["final_val_loss"] - 1)
-            needed = twin_steps_to(twin["val_curve"], run["final_val_loss"])
+            gap = 100 * (run["final_val_loss"] / dense["final_val_loss"] - 1)
+            needed = steps_to_reach(dense["val_curve"], run["final_val_loss"])
             seed1 = runs.get(run_name("subspace", optimizer, updates, 1))
-            twin1 = runs.get(run_name("dense", TWIN[optimizer], False, 1))
+            twin1 = runs.get(run_name("dense", twin(optimizer), False, 1))
             spread = (
                 f"{seed1['final_val_loss']:.3f} / {twin1['final_val_loss']:.3f} (gap "
                 f"{100 * (seed1['final_val_loss'] / twin1['final_val_loss'] - 1):+.1f}%)"
@@ -140,8 +147,8 @@ def render_table(results: dict) -> str:
             )
             lines.append(
                 f"| {optimizer} | {schedule if updates else 'fixed'} "
-                f"| {run['final_val_loss']:.3f} | dense {TWIN[optimizer]} "
-                f"| {twin['final_val_loss']:.3f} | {gap:+.1f}% "
+                f"| {run['final_val_loss']:.3f} | dense {twin(optimizer)} "
+                f"| {dense['final_val_loss']:.3f} | {gap:+.1f}% "
                 f"| {'> 300 (not reached)' if needed is None else f'{needed:.0f} of 300'} "
                 f"| {spread} |"
             )
@@ -160,12 +167,13 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(OPTIMIZERS), figsize=(16, 4), sharey=True)
+    optimizers = studied(results)
+    fig, axes = plt.subplots(1, len(optimizers), figsize=(4 * len(optimizers), 4), sharey=True)
     runs = results["runs"]
     lowest = min(r["final_val_loss"] for r in runs.values())
-    for ax, optimizer in zip(axes, OPTIMIZERS, strict=True):
+    for ax, optimizer in zip(axes, optimizers, strict=True):
         for name, style in [
-            (run_name("dense", TWIN[optimizer], False, 0), "k--"),
+            (run_name("dense", twin(optimizer), False, 0), "k--"),
             (run_name("subspace", optimizer, False, 0), "C0-"),
             (run_name("subspace", optimizer, True, 0), "C1-"),
         ]:

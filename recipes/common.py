@@ -189,6 +189,16 @@ def steady_step_time(records: list[dict], window: int = 10, skip: int = 1) -> tu
     return statistics.median(tail), False
 
 
-def steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
-    """Earliest validation step whose loss is <= ``target`` (None if never)."""
-    return next((step for step, loss in curve if loss <= target), None)
+def steps_to_reach(
+    curve: list[tuple[int, float]], target: float, *, interpolate: bool = True
+) -> float | None:
+    """The step at which a validation curve ``[(step, loss)]`` first reaches ``target`` (loss
+    <= target): linearly interpolated between the two validation points around the crossing
+    (``interpolate``), else the first validation step at or below it; the first point's step
+    when it already is; None if the curve never gets there."""
+    if curve[0][1] <= target:
+        return curve[0][0]
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
+        if l1 <= target:
+            return s0 + (l0 - target) / (l0 - l1) * (s1 - s0) if interpolate else s1
+    return None

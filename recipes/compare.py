@@ -8,7 +8,7 @@
 Every run trains the reference workload (``configs/reference_cpu.toml``: Shakespeare, d=256,
 8 layers laid out as 4 pipeline stages, 300 steps, validation every 50 steps) in one process with
 ``protocol.stages = 4``: the lossy codecs run in-graph at the 3 stage boundaries
-(``protocol_models.codecs``), the subspace codec is exact. All runs use the same optimizer
+(``protocol_models.wire.codecs``), the subspace codec is exact. All runs use the same optimizer
 (``OPTIMIZER``: Muon on every block matrix, AdamW elsewhere), so dense is a fair baseline.
 Runs go through ``common.train_cached``, shared with the other studies.
 
@@ -25,23 +25,25 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import common
 import torch
-from common import (
+
+from protocol_models.config import load_config
+from protocol_models.wire.codecs import build_codec
+from protocol_models.wire.sizes import message_bytes
+from recipes import common
+from recipes.common import (
     PARALLEL_RUNS,
     REFERENCE,
     REPO,
     read_jsonl,
     repo_relative,
     run_folder,
+    steps_to_reach,
     train_cached,
     validation_curve,
     wall_seconds,
 )
-from error_vs_depth import error_vs_depth
-
-from protocol_models.codecs import build_codec
-from protocol_models.config import load_config
+from recipes.error_vs_depth import error_vs_depth, plot_error
 
 OPTIMIZER = "muon"
 """The one optimizer of every arm (the subspace ablation's best): Muon on all block matrices."""
@@ -92,24 +94,22 @@ QUICK_ARMS = [
 
 
 def wire_bytes(toml: Path, over: list[str]) -> dict:
-    """Bytes one training step sends over all boundaries, from the real packed payloads the
-    run's codec emits at the workload's boundary shape ``[mb, seq, d]`` (random data: sizes do
-    not depend on values). ``dense``: the same messages uncompressed."""
+    """Bytes one training step sends over all boundaries (``wire.sizes.message_bytes`` of the
+    run's mode at the workload's fp32 boundary ``[mb, seq, d]``: the packed payload sizes, tested
+    equal to what the codecs send). ``dense``: the same messages uncompressed."""
     config = load_config(str(toml), over, check_environment=False)
     arch, protocol, par = config.model, config.protocol, config.parallelism
     shape = (par.pipeline_parallel_microbatch_size, config.training.seq_len, arch.dim)
     messages = (config.training.local_batch_size // shape[0]) * (config.layout_stages - 1)
-    x = torch.randn(shape)
     codec = build_codec(protocol.mode, config.codec, arch.dim, protocol.seed)
-    if codec is not None:
-        fwd = codec.encode(x)
-        bwd = codec.encode_grad(torch.randn(shape), fwd)
-    else:
-        width = protocol.k if protocol.mode == "subspace" else arch.dim
-        fwd = bwd = [x[..., :width]]
-    size = lambda payload: messages * sum(t.numel() * t.element_size() for t in payload)  # noqa: E731
-    dense = messages * x.numel() * x.element_size()
-    return {"fwd": size(fwd), "bwd": size(bwd), "dense": 2 * dense}
+
+    def size(direction: str, mode: str = protocol.mode) -> int:
+        exact = mode != protocol.mode
+        one = message_bytes(mode, shape, torch.float32, direction, k=protocol.k,
+                            codec=None if exact else codec)  # fmt: skip
+        return messages * one
+
+    return {"fwd": size("fwd"), "bwd": size("bwd"), "dense": 2 * size("fwd", "dense")}
 
 
 def run_all(arms: list[dict], toml: Path, quick_over: list[str], cached_only: bool) -> dict:
@@ -181,10 +181,8 @@ def dense_steps_to(curve: list[tuple[int, float]], target: float) -> dict:
     validation point is already below it."""
     if curve[0][1] <= target:
         return {"before": curve[0][0]}
-    for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
-        if l1 <= target:
-            return {"steps": s0 + (l0 - target) / (l0 - l1) * (s1 - s0)}
-    return {"beyond": curve[-1][0]}
+    steps = steps_to_reach(curve, target)
+    return {"beyond": curve[-1][0]} if steps is None else {"steps": steps}
 
 
 def render_table(results: dict, meta: dict) -> str:
@@ -306,8 +304,6 @@ def main() -> None:
 
 
 def report(results: dict, out: Path) -> None:
-    from error_vs_depth import plot_error
-
     table = render_table(results["runs"], results["meta"])
     if results.get("not_run"):
         table += f"\nNot run (no finished run in the cache): {', '.join(results['not_run'])}.\n"

@@ -28,7 +28,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import REPO, repo_relative
+from recipes.common import REPO, repo_relative
 
 OUT = REPO / "results" / "data"
 FILE_MB = 16

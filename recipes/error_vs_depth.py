@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from common import repo_relative
 
 from protocol_models import subspace
-from protocol_models.codecs import CodecSettings, build_codec
 from protocol_models.config import load_config
-from protocol_models.model import build_model_config, stage_layer_ranges
+from protocol_models.layout import stage_layer_ranges
+from protocol_models.model import build_model_config
+from protocol_models.wire.codecs import CodecSettings, build_codec
+from recipes.common import repo_relative
 
 CODECS = {  # name -> (mode, [codec] settings), at ~8x and ~32x like the training study
     "topk K=21 (8x)": ("topk", CodecSettings(topk=21)),

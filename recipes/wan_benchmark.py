@@ -4,7 +4,7 @@
     python recipes/wan_benchmark.py --quick    # exercises the whole harness in a few minutes
 
 Every figure is measured from real pipelined runs (one process per stage, gloo) with the link
-simulator of ``protocol_models.link`` at the stages' send/recv hooks:
+simulator of ``protocol_models.wire.link`` at the stages' send/recv hooks:
 
 * tokens/s for ``dense`` and ``subspace`` at {unlimited (link off), 1000, 200, 80} Mbit/s with
   50 ms latency, on the reference workload and two variants (bandwidth-bound, latency-bound);
@@ -23,7 +23,8 @@ import argparse
 import json
 from pathlib import Path
 
-from common import REPO, steady_step_time, steps_to_target, train, validation_curve
+from protocol_models.wire.link import transfer_seconds
+from recipes.common import REPO, steady_step_time, steps_to_reach, train, validation_curve
 
 LATENCY_MS = 50.0
 BANDWIDTHS = [None, 1000.0, 200.0, 80.0]  # None: link off (a fast interconnect)
@@ -68,17 +69,17 @@ def wire_lower_bound(record: dict, stages: int, mbps: float | None) -> float:
     if mbps is None:
         return 0.0
     n_mb = record["n_microbatches"]
+
+    def messages(key: str) -> float:  # n_mb messages of this boundary's per-step bytes / n_mb
+        return n_mb * transfer_seconds(record[key] / n_mb, mbps * 1e6, LATENCY_MS / 1e3)
+
     per_rank = []
     for rank in range(stages):
         t = 0.0
         if rank > 0:
-            t += n_mb * (
-                8 * record[f"wire/fwd_bytes/b{rank - 1}"] / n_mb / (mbps * 1e6) + LATENCY_MS / 1e3
-            )
+            t += messages(f"wire/fwd_bytes/b{rank - 1}")
         if rank < stages - 1:
-            t += n_mb * (
-                8 * record[f"wire/bwd_bytes/b{rank}"] / n_mb / (mbps * 1e6) + LATENCY_MS / 1e3
-            )
+            t += messages(f"wire/bwd_bytes/b{rank}")
         per_rank.append(t)
     return max(per_rank)
 
@@ -248,7 +249,7 @@ def time_to_target(results: dict, bandwidths) -> None:
     results["T"] = {}
     for target_name, target in targets.items():
         for mode in MODES:
-            reached = steps_to_target([tuple(c) for c in curves[mode]], target)
+            reached = steps_to_reach(curves[mode], target, interpolate=False)
             for mbps in links:
                 link = "off" if mbps is None else str(int(mbps))
                 step_s = results["throughput"][f"reference/{mode}/{link}"]["step_s"]

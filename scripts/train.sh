@@ -33,7 +33,7 @@ if grep -q '^device=cpu' <<<"$check"; then
 fi
 if grep -q '^prepare_data=1' <<<"$check"; then
     # the bundled data and the token ids of a map-style corpus, made once (per node) here
-    "$PYTHON" -m protocol_models.data --toml "$config" "$@" | sed 's/^/data: /' || exit 2
+    "$PYTHON" -m protocol_models.prepare --toml "$config" "$@" | sed 's/^/data: /' || exit 2
 fi
 
 NNODES="${NNODES:-1}"

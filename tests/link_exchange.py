@@ -15,8 +15,10 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B
 
 import protocol_models  # noqa: F401  (installs the CPU shim)
-from protocol_models.link import LinkSettings, SimulatedLink
-from protocol_models.stage import WireMeter, WirePipelineStage
+from protocol_models.wire import Wire
+from protocol_models.wire.link import LinkSettings, SimulatedLink
+from protocol_models.wire.meter import WireMeter
+from protocol_models.wire.stage import WirePipelineStage
 
 
 class Scale(torch.nn.Module):
@@ -38,9 +40,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     link = SimulatedLink(LinkSettings(bandwidth_mbps=mbps, latency_ms=latency_ms))
-    stage = WirePipelineStage(
-        Scale(width), rank, world, torch.device("cpu"), meter=WireMeter(dim=width), link=link
-    )
+    wire = Wire(meter=WireMeter(dim=width), codec=None, link=link)
+    stage = WirePipelineStage(Scale(width), rank, world, torch.device("cpu"), wire=wire)
     schedule = Schedule1F1B(
         stage, n_microbatches=4, loss_fn=lambda y, target: (y - target).pow(2).mean()
     )

@@ -12,9 +12,9 @@ import torch
 from conftest import TINY, torchrun
 
 from protocol_models import subspace
-from protocol_models.codecs import CodecSettings, apply_boundary, build_codec
 from protocol_models.config import ConfigError, load_config
 from protocol_models.trainer import protocol_identity
+from protocol_models.wire.codecs import CodecSettings, apply_boundary, build_codec
 
 SHAPE = torch.Size([2, 16, 64])  # mb, seq, d
 TOKENS, D = 32, 64

@@ -19,8 +19,9 @@ from protocol_models.grassmann import (
     orthonormality,
     reexpress,
 )
-from protocol_models.model import ModelArch, ProtocolSettings, build_model_config
+from protocol_models.model import ModelArch, build_model_config
 from protocol_models.optimizers import SubspaceAdamW, bind_subspace
+from protocol_models.protocol import ProtocolSettings
 from protocol_models.subspace import leak, leak_tolerance, make_basis_and_table
 
 ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO, torchrun
 
-from protocol_models.link import LinkSettings
+from protocol_models.wire.link import LinkSettings
 
 LATENCY_MS = 50.0
 

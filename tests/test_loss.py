@@ -13,7 +13,8 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
 from protocol_models.config import ConfigError, load_config
 from protocol_models.loss import ModelLoss, chunked_cross_entropy
-from protocol_models.model import ModelArch, ProtocolSettings, build_model_config
+from protocol_models.model import ModelArch, build_model_config
+from protocol_models.protocol import ProtocolSettings
 
 MB, SEQ, DIM, VOCAB = 2, 13, 16, 50
 

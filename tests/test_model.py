@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from protocol_models import subspace
+from protocol_models.layout import stage_layer_ranges
 from protocol_models.model import (
     ModelArch,
-    ProtocolSettings,
     build_model_config,
-    stage_layer_ranges,
 )
 from protocol_models.pipeline import split_stage
+from protocol_models.protocol import ProtocolSettings
 
 ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)
 

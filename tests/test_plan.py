@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO
 
 from protocol_models.config import load_config
-from protocol_models.model import ModelArch, stage_layer_ranges
+from protocol_models.layout import stage_layer_ranges
+from protocol_models.model import ModelArch
 from protocol_models.plan import (
     GIB,
     StagePlan,

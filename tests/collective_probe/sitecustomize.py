@@ -22,7 +22,7 @@ import torch.distributed as dist
 import protocol_models.grassmann
 import protocol_models.metrics
 import protocol_models.optimizers
-import protocol_models.stage
+import protocol_models.wire.stage
 
 SCOPED = {
     protocol_models.metrics.ProtocolMetricsProcessor: (
@@ -32,7 +32,7 @@ SCOPED = {
     ),
     protocol_models.optimizers.GuardedOptimizers: ("_gradients_finite",),
     protocol_models.grassmann.SubspaceTracker: ("_update",),
-    protocol_models.stage.WirePipelineStage: (
+    protocol_models.wire.stage.WirePipelineStage: (
         "get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops",
     ),
 }  # fmt: skip

@@ -74,8 +74,14 @@ class LinkSettings:
         return (per[boundary] if boundary < len(per) else self.latency_ms) / 1e3
 
     def transfer_s(self, boundary: int, nbytes: int) -> float:
-        """Time a message occupies the wire: ``8 * bytes / bandwidth + latency``."""
-        return 8 * nbytes / self.bandwidth_bps(boundary) + self.latency_s(boundary)
+        """Time a message occupies the wire (``transfer_seconds``)."""
+        return transfer_seconds(nbytes, self.bandwidth_bps(boundary), self.latency_s(boundary))
+
+
+def transfer_seconds(nbytes: float, bandwidth_bps: float, latency_s: float) -> float:
+    """The link model's time for one message: ``8 * bytes / bandwidth + latency`` (``inf``
+    bandwidth: latency only). The simulator, the planner and the slow-link benchmark use it."""
+    return 8 * nbytes / bandwidth_bps + latency_s
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """Lossy boundary codecs -- the baselines the subspace codec is compared with.
 
-Selected by ``[protocol] mode`` (``topk``, ``quant``, ``lowrank``, ``svd``) with parameters in the
-TOML table ``[codec]``; every lossy mode trains the **unconstrained dense** model (no U, no F) and
-compresses its ``d``-wide boundary tensor ``x`` ``[mb, seq, d]``. Each codec turns ``x`` into the
-real packed payload (a list of tensors, exactly what crosses the wire) and back, and does the same
-for the gradient that flows back over the boundary:
+Selected by ``[protocol] mode`` (``topk``, ``quant``, ``lowrank``, ``svd``: the names in
+``CODECS``) with parameters in the TOML table ``[codec]``; every lossy mode trains the
+**unconstrained dense** model (no U, no F) and compresses its ``d``-wide boundary tensor ``x``
+``[mb, seq, d]``. Each codec turns ``x`` into the real packed payload (a list of tensors, exactly
+what crosses the wire) and back, and does the same for the gradient that flows back over the
+boundary:
 
 * ``topk``: per token the K largest ``|x_j|`` -- values ``[.., K]`` (wire dtype) and indices
   ``[.., K]`` int16. Backward ``topk``: TopK of the gradient (the same two tensors);
@@ -28,14 +29,21 @@ forward payload, kept per microbatch.
 Where they run (both paths call the same ``encode``/``decode`` on the same packed tensors):
 
 * **pipelined runs** (one process per stage): at the transport hook, ``WirePipelineStage``
-  (``protocol_models.stage``) sends the payload instead of ``x`` and unpacks it into the next
+  (``protocol_models.wire.stage``) sends the payload instead of ``x`` and unpacks it into the next
   stage's receive buffer; gradients likewise in the other direction. The wire meter counts the
   payload bytes.
 * **single-process runs with** ``protocol.stages = S``: in-graph, ``apply_boundary`` -- an
   autograd function whose forward is ``decode(encode(x))`` and whose backward is
-  ``decode_grad(encode_grad(g))`` -- runs at the S - 1 stage boundaries inside
-  ``ProtocolModel.forward``. The receiver's ``x̂`` and its gradient are the same tensors as in the
+  ``decode_grad(encode_grad(g))`` -- runs on the output of the last block of each of the first
+  S - 1 stages, through a forward hook ``install_in_graph`` registers (the model itself knows
+  nothing of codecs). The receiver's ``x̂`` and its gradient are the same tensors as in the
   pipelined run, so both give the same losses (tested).
+
+**Adding a codec** is one ``Codec`` subclass decorated with ``@register_codec``: its ``name``
+becomes a ``[protocol] mode``, its ``check`` joins the config check, its ``spec`` sizes the
+receive buffers and its ``payload_bytes`` the planner's and the recipes' byte figures. It reads
+its parameters from ``[codec]`` (``settings`` names the keys, which also join the start-up check
+that every stage runs the same codec).
 """
 
 from __future__ import annotations
@@ -43,18 +51,33 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
+from torch import nn
 
 from protocol_models import subspace
 from protocol_models.errors import require
+from protocol_models.layout import stage_layer_ranges
 
-LOSSY_MODES = ("topk", "quant", "lowrank", "svd")
 INDEX_DTYPE = torch.int16
 """TopK indices on the wire (``d <= 32768``)."""
 Payload = list[torch.Tensor]
 Spec = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+CODECS: dict[str, type[Codec]] = {}
+"""The lossy codecs by ``[protocol] mode`` name (filled by ``register_codec``)."""
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make ``cls`` selectable as ``[protocol] mode = cls.name``."""
+    CODECS[cls.name] = cls
+    return cls
+
+
+def _check_rank(rank: int, dim: int) -> None:
+    require(1 <= rank <= dim, f"codec.rank = {rank}: must be an integer in [1, model.dim = {dim}]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,30 +97,16 @@ class CodecSettings:
     subspace basis of ``protocol.seed`` (the subspace codec without constraint and F)."""
 
     def check(self, mode: str, dim: int, microbatch_tokens: int) -> None:
-        """These settings against the width and microbatch of a lossy ``protocol.mode``."""
-        if mode == "topk":
-            require(
-                1 <= self.topk <= min(dim, 32768),
-                f"codec.topk = {self.topk}: must be in [1, model.dim = {dim}] "
-                "(indices travel as int16: model.dim <= 32768)",
-            )
-        if mode == "quant":
-            require(
-                dim % (8 // self.bits) == 0,
-                f"codec.bits = {self.bits}: model.dim = {dim} must be a multiple of "
-                f"{8 // self.bits} to bit-pack {self.bits}-bit codes",
-            )
-        if mode in ("lowrank", "svd"):
-            require(
-                1 <= self.rank <= dim,
-                f"codec.rank = {self.rank}: must be an integer in [1, model.dim = {dim}]",
-            )
-        if mode == "svd":
-            require(
-                self.rank <= microbatch_tokens,
-                f"codec.rank = {self.rank}: must be <= the {microbatch_tokens} tokens of a "
-                "microbatch (parallelism.pipeline_parallel_microbatch_size x training.seq_len)",
-            )
+        """These settings against the width and microbatch of ``protocol.mode`` (a codec's
+        ``check``; nothing to check for the exact modes)."""
+        if mode in CODECS:
+            CODECS[mode].check(self, dim, microbatch_tokens)
+
+    def identity(self, mode: str) -> str:
+        """The settings ``mode``'s codec reads, as the start-up stage check compares them
+        ("" for the exact modes)."""
+        keys = CODECS[mode].settings if mode in CODECS else ()
+        return ", ".join(f"{key}={getattr(self, key)!r}" for key in keys)
 
 
 def _nbytes(spec: Spec) -> int:
@@ -111,7 +120,21 @@ class Codec(ABC):
     needs; both sides of the wire hold it).
     """
 
-    name: str
+    name: ClassVar[str]
+    """The ``[protocol] mode`` that selects this codec."""
+    settings: ClassVar[tuple[str, ...]] = ()
+    """The ``[codec]`` keys it reads."""
+
+    @classmethod
+    @abstractmethod
+    def build(cls, settings: CodecSettings, *, dim: int, protocol_seed: int) -> Codec:
+        """The codec for ``[codec]`` ``settings`` at width ``dim`` (``protocol_seed``: the
+        subspace seed, for codecs that derive a fixed basis from it)."""
+
+    @classmethod  # noqa: B027 (a default, not abstract: most codecs have something to check)
+    def check(cls, settings: CodecSettings, dim: int, microbatch_tokens: int) -> None:
+        """Raise ``ConfigError`` naming the key when ``settings`` cannot work at width ``dim``
+        with ``microbatch_tokens`` tokens per microbatch (default: nothing to check)."""
 
     @abstractmethod
     def encode(self, x: torch.Tensor) -> Payload: ...
@@ -135,14 +158,28 @@ class Codec(ABC):
         """Analytic size of the ``fwd``/``bwd`` payload in bytes (the formula in the docs)."""
 
 
+@register_codec
 class TopK(Codec):
     """Per token, the ``K`` largest ``|x_j|``: values (wire dtype) + int16 indices.
     Bytes per token: ``K (itemsize + 2)`` each way (``K itemsize`` backward, straight-through)."""
 
     name = "topk"
+    settings = ("topk", "topk_backward")
 
     def __init__(self, k: int, backward: str):
         self.k, self.backward = k, backward
+
+    @classmethod
+    def build(cls, settings, *, dim, protocol_seed):
+        return cls(settings.topk, settings.topk_backward)
+
+    @classmethod
+    def check(cls, settings, dim, microbatch_tokens):
+        require(
+            1 <= settings.topk <= min(dim, 32768),
+            f"codec.topk = {settings.topk}: must be in [1, model.dim = {dim}] "
+            "(indices travel as int16: model.dim <= 32768)",
+        )
 
     def _select(self, x: torch.Tensor) -> Payload:
         index = x.abs().topk(self.k, dim=-1, sorted=False).indices
@@ -177,18 +214,33 @@ class TopK(Codec):
         return tokens * self.k * (dtype.itemsize + index)
 
 
+@register_codec
 class Quant(Codec):
     """Per-token absmax ``a``, ``2^b`` uniform levels on ``[-a, a]`` (step ``2a / (2^b - 1)``),
     codes bit-packed ``8 / b`` per byte. Forward rounds to nearest (error <= step / 2), gradients
     round stochastically (unbiased, error < step). Bytes per token: ``d b / 8 + itemsize``."""
 
     name = "quant"
+    settings = ("bits", "seed")
 
     def __init__(self, bits: int, seed: int):
         self.bits, self.levels = bits, 2**bits - 1
         self.per_byte = 8 // bits
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    @classmethod
+    def build(cls, settings, *, dim, protocol_seed):
+        return cls(settings.bits, settings.seed)
+
+    @classmethod
+    def check(cls, settings, dim, microbatch_tokens):
+        bits = settings.bits
+        require(
+            dim % (8 // bits) == 0,
+            f"codec.bits = {bits}: model.dim = {dim} must be a multiple of "
+            f"{8 // bits} to bit-pack {bits}-bit codes",
+        )
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -241,14 +293,25 @@ class Quant(Codec):
         return tokens * (shape[-1] * self.bits // 8 + dtype.itemsize)
 
 
+@register_codec
 class LowRank(Codec):
     """Fixed orthonormal ``P`` ``[d, k]``: send ``x P``, rebuild ``x P P^T``; the gradient is
     ``g P`` then ``P^T`` (exact for this linear map). Bytes per token: ``k itemsize`` each way."""
 
     name = "lowrank"
+    settings = ("rank",)
 
     def __init__(self, projection: torch.Tensor):
         self.projection = projection
+
+    @classmethod
+    def build(cls, settings, *, dim, protocol_seed):
+        basis, _ = subspace.make_basis_and_table(protocol_seed, dim, settings.rank, 0)
+        return cls(basis)
+
+    @classmethod
+    def check(cls, settings, dim, microbatch_tokens):
+        _check_rank(settings.rank, dim)
 
     def _p(self, t: torch.Tensor) -> torch.Tensor:
         if self.projection.device != t.device:
@@ -275,6 +338,7 @@ class LowRank(Codec):
         return math.prod(shape[:-1]) * self.projection.shape[1] * dtype.itemsize
 
 
+@register_codec
 class TruncatedSVD(Codec):
     """Per microbatch ``X`` ``[T, d]`` (``T = mb * seq``): ``R`` = top-``r`` right singular
     vectors ``[d, r]``, ``L = X R`` ``[T, r]``; rebuild ``L R^T``. The gradient is projected on
@@ -282,9 +346,23 @@ class TruncatedSVD(Codec):
     ``r T itemsize`` backward."""
 
     name = "svd"
+    settings = ("rank",)
 
     def __init__(self, rank: int):
         self.rank = rank
+
+    @classmethod
+    def build(cls, settings, *, dim, protocol_seed):
+        return cls(settings.rank)
+
+    @classmethod
+    def check(cls, settings, dim, microbatch_tokens):
+        _check_rank(settings.rank, dim)
+        require(
+            settings.rank <= microbatch_tokens,
+            f"codec.rank = {settings.rank}: must be <= the {microbatch_tokens} tokens of a "
+            "microbatch (parallelism.pipeline_parallel_microbatch_size x training.seq_len)",
+        )
 
     def encode(self, x):
         flat = x.reshape(-1, x.shape[-1]).float()
@@ -313,17 +391,10 @@ class TruncatedSVD(Codec):
 
 
 def build_codec(mode: str, settings: CodecSettings, dim: int, protocol_seed: int) -> Codec | None:
-    """The codec of ``[protocol] mode`` (None for ``dense`` and ``subspace``)."""
-    if mode == "topk":
-        return TopK(settings.topk, settings.topk_backward)
-    if mode == "quant":
-        return Quant(settings.bits, settings.seed)
-    if mode == "lowrank":
-        basis, _ = subspace.make_basis_and_table(protocol_seed, dim, settings.rank, 0)
-        return LowRank(basis)
-    if mode == "svd":
-        return TruncatedSVD(settings.rank)
-    return None
+    """The codec of ``[protocol] mode`` (None for the exact modes ``dense`` and ``subspace``)."""
+    if mode not in CODECS:
+        return None
+    return CODECS[mode].build(settings, dim=dim, protocol_seed=protocol_seed)
 
 
 class _Boundary(torch.autograd.Function):
@@ -348,8 +419,27 @@ def apply_boundary(x: torch.Tensor, codec: Codec) -> torch.Tensor:
     return _Boundary.apply(x, codec)
 
 
+def install_in_graph(model: nn.Module, codec: Codec, n_stages: int, microbatch: int) -> list[int]:
+    """Apply ``codec`` at every stage boundary of an ``n_stages`` layout that lies inside
+    ``model`` (a whole model, or a pipeline stage's chunk: then there is none): a forward hook on
+    the last block before each boundary replaces its output ``[batch, seq, d]`` by
+    ``apply_boundary`` of it, ``microbatch`` sequences at a time as the pipelined stage encodes
+    them (it matters for ``svd``). Returns the ids of the hooked blocks."""
+    ranges = stage_layer_ranges(len(model.config.layers), n_stages, model.config.layers_per_stage)
+    hooked = [
+        r[-1] for r in ranges[:-1] if str(r[-1]) in model.layers and str(r[-1] + 1) in model.layers
+    ]
+
+    def boundary(module, args, output: torch.Tensor) -> torch.Tensor:
+        return torch.cat([apply_boundary(part, codec) for part in output.split(microbatch)])
+
+    for layer_id in hooked:
+        model.layers[str(layer_id)].register_forward_hook(boundary)
+    return hooked
+
+
 __all__ = [
-    "LOSSY_MODES",
+    "CODECS",
     "Codec",
     "CodecSettings",
     "LowRank",
@@ -358,4 +448,6 @@ __all__ = [
     "TruncatedSVD",
     "apply_boundary",
     "build_codec",
+    "install_in_graph",
+    "register_codec",
 ]

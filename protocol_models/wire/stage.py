@@ -5,8 +5,8 @@ Every schedule (GPipe, 1F1B, ...) obtains all of its point-to-point traffic from
 ``forward_one_chunk`` / ``backward_one_chunk``. ``WirePipelineStage`` wraps exactly those:
 
 * it accounts every message handed to the wire, per boundary and direction (``WireMeter``);
-* with a lossy ``Codec`` (``protocol_models.codecs``) it sends the packed payload instead of the
-  ``d``-wide tensor and unpacks what it receives into the stage's normal receive buffer right
+* with a lossy ``Codec`` (``protocol_models.wire.codecs``) it sends the packed payload instead of
+  the ``d``-wide tensor and unpacks what it receives into the stage's normal receive buffer right
   before consuming it (forward activations and backward gradients alike);
 * with a ``SimulatedLink`` it adds the sender's 8-byte clock stamp to each message and, on the
   receiving side, waits until the link model says the message has arrived.
@@ -18,51 +18,19 @@ crosses boundary ``s``, a backward message from stage ``s`` crosses boundary ``s
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torchtitan.tools.logging import logger
 
-from protocol_models.codecs import Codec, Payload
-from protocol_models.link import SimulatedLink
+from protocol_models.wire.codecs import Codec, Payload
+from protocol_models.wire.link import SimulatedLink
+from protocol_models.wire.meter import WireMeter
 
-
-@dataclass
-class WireMeter:
-    """Bytes sent since the last ``reset()``, keyed by boundary index.
-
-    ``dense`` holds what the same messages would have cost with a ``dim``-wide activation of the
-    same dtype, i.e. an uncompressed boundary.
-    """
-
-    dim: int
-    fwd: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    bwd: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    dense: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-
-    def record(
-        self,
-        direction: str,
-        boundary: int,
-        sent: list[torch.Tensor],
-        original: list[torch.Tensor] | None = None,
-    ) -> None:
-        """Count the tensors ``sent``; ``original``: the uncompressed tensors they encode
-        (default: ``sent`` itself), whose last dimension the dense figure widens to ``dim``."""
-        counter = getattr(self, direction)
-        for tensor in sent:
-            counter[boundary] += tensor.numel() * tensor.element_size()
-        for tensor in sent if original is None else original:
-            per_feature = tensor.numel() // tensor.shape[-1]
-            self.dense[boundary] += per_feature * self.dim * tensor.element_size()
-
-    def reset(self) -> None:
-        self.fwd.clear()
-        self.bwd.clear()
-        self.dense.clear()
+if TYPE_CHECKING:
+    from protocol_models.wire import Wire
 
 
 class WirePipelineStage(PipelineStage):
@@ -74,18 +42,11 @@ class WirePipelineStage(PipelineStage):
     them on both sides -- and the gradient payload buffers posted for receipt (``_grad_in``).
     """
 
-    def __init__(
-        self,
-        *args,
-        meter: WireMeter,
-        link: SimulatedLink | None = None,
-        codec: Codec | None = None,
-        **kwargs,
-    ):
+    def __init__(self, *args, wire: Wire, **kwargs):
         super().__init__(*args, **kwargs)
-        self.meter = meter
-        self.link = link
-        self.codec = codec
+        self.meter: WireMeter = wire.meter
+        self.link: SimulatedLink | None = wire.link
+        self.codec: Codec | None = wire.codec
         self._sent: dict[int, Payload] = {}
         self._received: dict[int, tuple[Payload, torch.Tensor]] = {}
         self._grad_in: dict[int, tuple[Payload, torch.Tensor]] = {}

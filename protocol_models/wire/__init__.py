@@ -1,0 +1,50 @@
+"""The wire: everything between two pipeline stages.
+
+* ``codecs``: the lossy boundary codecs (a registry, ``CODECS``) and their in-graph form;
+* ``stage``: ``WirePipelineStage``, whose send/recv op builders are where the wire is hooked;
+* ``meter``: the bytes each stage sends, per boundary and direction;
+* ``link``: the slow-link simulator (``[wan]``);
+* ``sizes``: the one size model of a boundary message, for every mode.
+
+``Wire`` bundles the parts one run uses, built once from its config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol_models.wire.codecs import CODECS, Codec, build_codec
+from protocol_models.wire.link import SimulatedLink
+from protocol_models.wire.meter import WireMeter
+
+EXACT_MODES = ("subspace", "dense")
+"""The boundary methods without a codec: the exact k-coordinate wire and the dense twin."""
+
+
+def modes() -> list[str]:
+    """Every ``[protocol] mode``: the exact ones, then the registered codecs."""
+    return [*EXACT_MODES, *CODECS]
+
+
+@dataclass
+class Wire:
+    """The wire parts of one run (one of each, built once): the meter every stage counts into,
+    the lossy codec of the mode (None: exact) used at the transport hook of a pipelined run or
+    in-graph in a single-process run, and the slow-link simulator (None: ``[wan]`` off)."""
+
+    meter: WireMeter
+    codec: Codec | None
+    link: SimulatedLink | None
+
+    @classmethod
+    def from_config(cls, config) -> Wire:
+        """The parts ``config`` (a ``ProtocolTrainer.Config``) asks for."""
+        protocol, dim = config.protocol, config.model.dim
+        return cls(
+            meter=WireMeter(dim=dim),
+            codec=build_codec(protocol.mode, config.codec, dim, protocol.seed),
+            link=SimulatedLink(config.wan) if config.wan.enabled else None,
+        )
+
+
+__all__ = ["EXACT_MODES", "Wire", "modes"]

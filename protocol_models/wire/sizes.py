@@ -1,0 +1,36 @@
+"""The one size model of a boundary message, for every boundary method.
+
+A message carries one microbatch ``[mb, seq, d]`` across one boundary in one direction:
+
+* ``subspace``: the coordinates ``c`` ``[mb, seq, k]`` in the compute dtype;
+* ``dense``: the stream ``x`` ``[mb, seq, d]`` in the compute dtype;
+* a lossy codec: its packed payload, ``Codec.payload_bytes`` (equal to the tensors it sends).
+
+The planner, the wire meter's dense reference and the recipes' byte tables all call this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from protocol_models.wire.codecs import Codec
+
+
+def message_bytes(
+    mode: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    direction: str,
+    *,
+    k: int,
+    codec: Codec | None = None,
+) -> int:
+    """Bytes of one ``direction`` (``fwd``/``bwd``) message of a ``shape`` ``[mb, seq, d]``
+    boundary tensor in ``dtype`` under ``mode`` (``codec``: the lossy mode's codec)."""
+    if codec is not None:
+        return codec.payload_bytes(torch.Size(shape), dtype, direction)
+    width = k if mode == "subspace" else shape[-1]
+    return math.prod(shape[:-1]) * width * dtype.itemsize
