@@ -144,8 +144,9 @@ def validate(config: ProtocolTrainer.Config) -> None:
         f"protocol.k = {protocol.k}: must be an integer in [1, model.dim = {model.dim}]",
     )
     config.codec.check(
-        protocol.mode, model.dim, par.pipeline_parallel_microbatch_size * training.seq_len
-    )
+        protocol.mode, model.dim, par.pipeline_parallel_microbatch_size * training.seq_len,
+        protocol.k,
+    )  # fmt: skip
     whole_matrices = OPTIMIZERS[config.optimizer.name].whole_matrices
     if par.data_parallel_shard_degree > 1 and (whole_matrices or protocol.update_every):
         needs = (

@@ -6,9 +6,10 @@ has_last_stage)`` -- but splits the model with ``stage_layer_ranges`` (the same
 split the model used to decide which blocks are constrained) and builds our stage subclass.
 Only single-stage-per-rank schedules (GPipe, 1F1B) are supported; the config layer refuses others.
 
-``parallelize_protocol`` is llama3's parallelize, then (lossy modes) the in-graph codec at every
-stage boundary inside the module it got: all of them in a single-process run with
-``protocol.stages = S``, none in a pipeline stage's chunk (its boundaries are on the wire).
+``parallelize_protocol`` is llama3's parallelize, then (lossy modes, quantized subspace
+coordinates) the in-graph codec at every stage boundary inside the module it got: all of them in
+a single-process run with ``protocol.stages = S``, none in a pipeline stage's chunk (its
+boundaries are on the wire).
 """
 
 from __future__ import annotations

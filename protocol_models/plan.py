@@ -384,8 +384,10 @@ def _microbatching(config) -> tuple[int, int, int]:
 
 
 def _label(config) -> str:
-    protocol = config.protocol
-    return f"subspace k={protocol.k}" if protocol.mode == "subspace" else protocol.mode
+    protocol, bits = config.protocol, config.codec.bits
+    if protocol.mode != "subspace":
+        return protocol.mode
+    return f"subspace k={protocol.k}" + (f" {bits}-bit" if bits else "")
 
 
 def render(

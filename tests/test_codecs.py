@@ -15,6 +15,7 @@ from protocol_models import subspace
 from protocol_models.config import ConfigError, load_config
 from protocol_models.trainer import protocol_identity
 from protocol_models.wire.codecs import CodecSettings, apply_boundary, build_codec
+from protocol_models.wire.sizes import message_bytes
 
 SHAPE = torch.Size([2, 16, 64])  # mb, seq, d
 TOKENS, D = 32, 64
@@ -105,6 +106,35 @@ def test_gradient_stochastic_rounding_is_unbiased_and_within_one_step(bits):
     assert (samples != nearest).any(), "gradients must not be rounded to nearest"
 
 
+@pytest.mark.parametrize(("k", "bits"), [(4, 2), (8, 4), (40, 4), (6, 8)])
+def test_quantized_coordinates_bytes_bounds_and_unbiased_gradients(k, bits):
+    """``subspace`` + ``[codec] bits``: k coordinates per token bit-packed plus one scale; the
+    forward rounds to nearest, the gradient stochastically and without bias."""
+    codec = build_codec("subspace", CodecSettings(bits=bits), D, protocol_seed=3)
+    shape = torch.Size([2, 16, k])
+    c = torch.randn(shape) * torch.rand(2, 16, 1) * 10
+    payload = codec.encode(c)
+    analytic = TOKENS * (k * bits // 8 + 4)
+    assert (
+        _nbytes(payload)
+        == analytic
+        == message_bytes("subspace", SHAPE, torch.float32, "fwd", k=k, codec=codec)
+    )
+    step = 2 * c.abs().amax(-1, keepdim=True) / (2**bits - 1)
+    assert ((codec.decode(payload, shape) - c).abs() <= step / 2 * (1 + 1e-5)).all()
+    g = torch.randn(1, 4, k)
+    g_step = 2 * g.abs().amax(-1, keepdim=True) / (2**bits - 1)
+    draws = torch.stack([codec.decode_grad(codec.encode_grad(g, []), [], g.shape)
+                         for _ in range(2000)])  # fmt: skip
+    assert ((draws - g).abs() < g_step * (1 + 1e-5)).all()
+    assert ((draws.mean(0) - g).abs() < 0.06 * g_step).all()
+
+
+def test_without_bits_the_subspace_wire_is_exact():
+    assert build_codec("subspace", CodecSettings(), D, protocol_seed=3) is None
+    assert message_bytes("subspace", SHAPE, torch.float32, "bwd", k=8) == TOKENS * 8 * 4
+
+
 def test_straight_through_topk_gradient_uses_the_forward_mask():
     x = torch.randn(SHAPE, requires_grad=True)
     g = torch.randn(SHAPE)
@@ -161,6 +191,10 @@ def test_subspace_codec_is_exact_and_lowrank_is_not():
         (["--codec.topk_backward", "mask"], "codec.topk_backward = 'mask': expected one of"),
         (["--protocol.mode", "sparse"], "protocol.mode = 'sparse': expected one of"),
         (["--codec.width", "3"], "unknown key 'codec.width'"),
+        (["--protocol.k", "3", "--codec.bits", "4"],
+         "codec.bits = 4: protocol.k = 3 must be a multiple of 2"),
+        (["--protocol.mode", "dense", "--codec.bits", "4"],
+         "codec.bits = 4: protocol.mode = 'dense' does not read it"),
     ],
 )  # fmt: skip
 def test_codec_config_errors_are_one_line(overrides, message):

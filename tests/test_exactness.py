@@ -8,7 +8,11 @@ carry only k coordinates and the next stage rebuilds the stream from them and th
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import torchrun
+
+from protocol_models.wire.codecs import CodecSettings, build_codec
+from protocol_models.wire.sizes import message_bytes
 
 
 def _seed_checkpoint(tmp_path, stages: int):
@@ -18,6 +22,12 @@ def _seed_checkpoint(tmp_path, stages: int):
         "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
     )  # fmt: skip
     return folder / "checkpoint" / "step-0"
+
+
+@pytest.fixture(scope="module")
+def two_stage_seed(tmp_path_factory):
+    """One seed checkpoint of the tiny 2-stage subspace model, shared by the tests below."""
+    return _seed_checkpoint(tmp_path_factory.mktemp("seed"), 2)
 
 
 def _assert_same_run(a: list[dict], b: list[dict], rtol: float = 2e-6):
@@ -30,8 +40,12 @@ def _assert_same_run(a: list[dict], b: list[dict], rtol: float = 2e-6):
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-def test_pipelined_losses_equal_single_process(tmp_path, stages):
-    seed = _seed_checkpoint(tmp_path, stages)
+def test_pipelined_losses_equal_single_process(tmp_path, stages, request):
+    seed = (
+        request.getfixturevalue("two_stage_seed")
+        if stages == 2
+        else _seed_checkpoint(tmp_path, stages)
+    )
     load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
     single = torchrun(1, tmp_path / "pp1", "--protocol.stages", str(stages), *load)
     piped = torchrun(stages, tmp_path / f"pp{stages}", *load)
@@ -40,12 +54,31 @@ def test_pipelined_losses_equal_single_process(tmp_path, stages):
     _assert_same_run(single, piped)
 
 
-def test_schedules_agree(tmp_path):
+def test_schedules_agree(tmp_path, two_stage_seed):
     """GPipe and 1F1B run the same microbatches through the same stages: same losses."""
-    seed = _seed_checkpoint(tmp_path, 2)
+    seed = two_stage_seed
     load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
     gpipe = torchrun(2, tmp_path / "gpipe", *load)
     one_f_one_b = torchrun(
         2, tmp_path / "1f1b", *load, "--parallelism.pipeline_parallel_schedule", "1F1B"
     )
     _assert_same_run(gpipe, one_f_one_b)
+
+
+def test_quantized_coordinates_pipelined_equal_in_graph(tmp_path, two_stage_seed):
+    """2-bit coordinates: the pipelined wire (packed payloads at the transport hook, gradients
+    stochastically rounded by the receiving stage) equals the in-graph hook of a 1-process run
+    (same per-boundary generator, microbatches in schedule order); the wire carries the analytic
+    payload."""
+    load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(two_stage_seed)]
+    bits = ["--codec.bits", "2"]
+    single = torchrun(1, tmp_path / "pp1", "--protocol.stages", "2", *load, *bits)
+    piped = torchrun(2, tmp_path / "pp2", *load, *bits)
+    _assert_same_run(single, piped)
+
+    codec = build_codec("subspace", CodecSettings(bits=2), 64, protocol_seed=7)
+    one = message_bytes("subspace", (1, 64, 64), torch.float32, "fwd", k=4, codec=codec)
+    assert one == 64 * (4 * 2 // 8 + 4)  # per token: 4 two-bit codes in one byte + an fp32 scale
+    for r in piped:  # tests/tiny.toml: 4 microbatches of [1, 64, 64] per step, one boundary
+        assert r["wire/fwd_bytes/b0"] == r["wire/bwd_bytes/b0"] == 4 * one
+        assert r["wire/compression_ratio"] == pytest.approx(64 * 4 / 5)

@@ -34,10 +34,19 @@ Where they run (both paths call the same ``encode``/``decode`` on the same packe
   payload bytes.
 * **single-process runs with** ``protocol.stages = S``: in-graph, ``apply_boundary`` -- an
   autograd function whose forward is ``decode(encode(x))`` and whose backward is
-  ``decode_grad(encode_grad(g))`` -- runs on the output of the last block of each of the first
-  S - 1 stages, through a forward hook ``install_in_graph`` registers (the model itself knows
-  nothing of codecs). The receiver's ``x̂`` and its gradient are the same tensors as in the
-  pipelined run, so both give the same losses (tested).
+  ``decode_grad(encode_grad(g))``, microbatch by microbatch in the order a pipeline schedule
+  runs them -- runs on the output of the last block of each of the first S - 1 stages, through a
+  forward hook ``install_in_graph`` registers (the model itself knows nothing of codecs). Each
+  boundary gets its own copy of the codec, as each stage process holds its own, so stochastic
+  rounding draws the same numbers. The receiver's ``x̂`` and its gradient are the same tensors
+  as in the pipelined run, so both give the same losses (tested).
+
+**Quantized subspace coordinates.** ``mode = "subspace"`` with ``[codec] bits`` sends the k
+coordinates ``c = (x - F[ids]) U`` ``[mb, seq, k]`` through the ``quant`` codec: a per-token
+absmax scale in the wire dtype and ``bits``-bit codes, round-to-nearest forward, unbiased
+stochastic rounding of the gradient coordinates backward; ``k b / 8 + itemsize`` bytes per token
+instead of ``k itemsize``. In-graph, the hook encodes the stream to ``c``, quantizes it and
+rebuilds ``x̂ = F[ids] + ĉ Uᵀ``, as the next stage would. Without ``bits`` the wire is exact.
 
 **Adding a codec** is one ``Codec`` subclass decorated with ``@register_codec``: its ``name``
 becomes a ``[protocol] mode``, its ``check`` joins the config check, its ``spec`` sizes the
@@ -48,6 +57,7 @@ that every stage runs the same codec).
 
 from __future__ import annotations
 
+import copy
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -57,7 +67,7 @@ import torch
 from torch import nn
 
 from protocol_models import subspace
-from protocol_models.errors import require
+from protocol_models.errors import ConfigError, require
 from protocol_models.layout import stage_layer_ranges
 
 INDEX_DTYPE = torch.int16
@@ -88,25 +98,48 @@ class CodecSettings:
     """``topk``: values kept per token (fp32 wire: ``6 K`` bytes vs ``4 d``)."""
     topk_backward: Literal["topk", "straight_through"] = "topk"
     """``topk``: TopK of the gradient, or the gradient at the forward's indices."""
-    bits: Literal[2, 4, 8] = 8
-    """``quant``: bits per coordinate (bit-packed; ``d`` must be a multiple of ``8 / bits``)."""
+    bits: Literal[2, 4, 8] | None = None
+    """Bits per coordinate on the wire, bit-packed. ``quant``: of ``x`` (default 8; ``d`` must be
+    a multiple of ``8 / bits``); ``subspace``: of the k coordinates (``k`` must be a multiple of
+    ``8 / bits``; unset: the exact wire). Other modes refuse it."""
     rank: int = 8
     """``lowrank``: coordinates per token (``P`` is ``[d, rank]``); ``svd``: rank per microbatch."""
     seed: int = 4321
     """Seed of the gradients' stochastic rounding (``quant``); ``lowrank``'s ``P`` is the
     subspace basis of ``protocol.seed`` (the subspace codec without constraint and F)."""
 
-    def check(self, mode: str, dim: int, microbatch_tokens: int) -> None:
-        """These settings against the width and microbatch of ``protocol.mode`` (a codec's
-        ``check``; nothing to check for the exact modes)."""
+    def check(self, mode: str, dim: int, microbatch_tokens: int, k: int) -> None:
+        """These settings against ``protocol.mode`` at width ``dim``, subspace rank ``k`` and
+        ``microbatch_tokens`` tokens per microbatch (a codec's ``check``)."""
+        bits = self.bits
+        if bits is not None and "bits" not in self._keys(mode):
+            readers = ["subspace", *(name for name, c in CODECS.items() if "bits" in c.settings)]
+            raise ConfigError(
+                f"codec.bits = {bits}: protocol.mode = {mode!r} does not read it (only "
+                f"{' and '.join(repr(r) for r in readers)} do)"
+            )
+        if mode == "subspace" and bits is not None:
+            require(
+                k % (8 // bits) == 0,
+                f"codec.bits = {bits}: protocol.k = {k} must be a multiple of {8 // bits} to "
+                f"bit-pack {bits}-bit coordinates",
+            )
         if mode in CODECS:
             CODECS[mode].check(self, dim, microbatch_tokens)
 
     def identity(self, mode: str) -> str:
         """The settings ``mode``'s codec reads, as the start-up stage check compares them
-        ("" for the exact modes)."""
-        keys = CODECS[mode].settings if mode in CODECS else ()
-        return ", ".join(f"{key}={getattr(self, key)!r}" for key in keys)
+        ("" for the exact wire)."""
+        return ", ".join(f"{key}={getattr(self, key)!r}" for key in self._keys(mode))
+
+    def _keys(self, mode: str) -> tuple[str, ...]:
+        """The keys ``mode`` reads: its codec's, or (subspace) ``bits`` and ``seed`` when the
+        coordinates are quantized."""
+        if mode in CODECS:
+            return CODECS[mode].settings
+        if mode == "subspace" and self.bits is not None:
+            return Quant.settings
+        return ()
 
 
 def _nbytes(spec: Spec) -> int:
@@ -231,11 +264,11 @@ class Quant(Codec):
 
     @classmethod
     def build(cls, settings, *, dim, protocol_seed):
-        return cls(settings.bits, settings.seed)
+        return cls(settings.bits or 8, settings.seed)
 
     @classmethod
     def check(cls, settings, dim, microbatch_tokens):
-        bits = settings.bits
+        bits = settings.bits or 8
         require(
             dim % (8 // bits) == 0,
             f"codec.bits = {bits}: model.dim = {dim} must be a multiple of "
@@ -391,50 +424,78 @@ class TruncatedSVD(Codec):
 
 
 def build_codec(mode: str, settings: CodecSettings, dim: int, protocol_seed: int) -> Codec | None:
-    """The codec of ``[protocol] mode`` (None for the exact modes ``dense`` and ``subspace``)."""
+    """The codec of ``[protocol] mode``: a lossy mode's; ``quant`` on the k coordinates for
+    ``subspace`` with ``[codec] bits``; None for the exact wire (``dense``, plain ``subspace``)."""
+    if mode == "subspace" and settings.bits is not None:
+        return Quant(settings.bits, settings.seed)
     if mode not in CODECS:
         return None
     return CODECS[mode].build(settings, dim=dim, protocol_seed=protocol_seed)
 
 
 class _Boundary(torch.autograd.Function):
-    """``decode(encode(x))`` forward, ``decode_grad(encode_grad(g))`` backward."""
+    """Per microbatch: ``decode(encode(x))`` forward, ``decode_grad(encode_grad(g))`` backward,
+    both in microbatch order (the order every schedule sends them in)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, codec: Codec) -> torch.Tensor:
-        payload = codec.encode(x.detach())
-        ctx.codec, ctx.payload, ctx.shape = codec, payload, x.shape
-        return codec.decode(payload, x.shape)
+    def forward(ctx, x: torch.Tensor, codec: Codec, microbatch: int) -> torch.Tensor:
+        parts = x.detach().split(microbatch)
+        ctx.codec, ctx.microbatch = codec, microbatch
+        ctx.payloads = [codec.encode(part) for part in parts]
+        ctx.shapes = [part.shape for part in parts]
+        return torch.cat(
+            [codec.decode(p, shape) for p, shape in zip(ctx.payloads, ctx.shapes, strict=True)]
+        )
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        codec = ctx.codec
-        grad = codec.encode_grad(g.contiguous(), ctx.payload)
-        return codec.decode_grad(grad, ctx.payload, ctx.shape), None
+        codec, grads = ctx.codec, []
+        for part, payload, shape in zip(
+            g.split(ctx.microbatch), ctx.payloads, ctx.shapes, strict=True
+        ):
+            sent = codec.encode_grad(part.contiguous(), payload)
+            grads.append(codec.decode_grad(sent, payload, shape))
+        return torch.cat(grads), None, None
 
 
-def apply_boundary(x: torch.Tensor, codec: Codec) -> torch.Tensor:
-    """The in-graph boundary of single-process runs: ``x`` ``[mb, seq, d]`` -> ``x̂`` (same
-    shape and dtype) with the codec's backward."""
-    return _Boundary.apply(x, codec)
+def apply_boundary(x: torch.Tensor, codec: Codec, microbatch: int | None = None) -> torch.Tensor:
+    """The in-graph boundary of single-process runs: ``x`` ``[batch, seq, width]`` -> ``x̂``
+    (same shape and dtype) with the codec's backward, ``microbatch`` sequences at a time
+    (default: the whole batch as one microbatch)."""
+    return _Boundary.apply(x, codec, microbatch or x.shape[0])
 
 
 def install_in_graph(model: nn.Module, codec: Codec, n_stages: int, microbatch: int) -> list[int]:
     """Apply ``codec`` at every stage boundary of an ``n_stages`` layout that lies inside
     ``model`` (a whole model, or a pipeline stage's chunk: then there is none): a forward hook on
     the last block before each boundary replaces its output ``[batch, seq, d]`` by
-    ``apply_boundary`` of it, ``microbatch`` sequences at a time as the pipelined stage encodes
-    them (it matters for ``svd``). Returns the ids of the hooked blocks."""
+    ``apply_boundary`` of it -- of its coordinates ``c`` when the model is a subspace model --
+    ``microbatch`` sequences at a time as the pipelined stage encodes them (it matters for
+    ``svd``), with a copy of ``codec`` per boundary. Returns the ids of the hooked blocks."""
     ranges = stage_layer_ranges(len(model.config.layers), n_stages, model.config.layers_per_stage)
     hooked = [
         r[-1] for r in ranges[:-1] if str(r[-1]) in model.layers and str(r[-1] + 1) in model.layers
     ]
+    token_ids: dict[str, torch.Tensor] = {}
+    if getattr(model, "subspace", False):
 
-    def boundary(module, args, output: torch.Tensor) -> torch.Tensor:
-        return torch.cat([apply_boundary(part, codec) for part in output.split(microbatch)])
+        def remember_ids(module, args, kwargs) -> None:
+            token_ids["ids"] = args[0] if module.tok_embeddings is not None else kwargs["token_ids"]
+
+        model.register_forward_pre_hook(remember_ids, with_kwargs=True)
+
+    def boundary_hook(own: Codec):
+        def boundary(module, args, output: torch.Tensor) -> torch.Tensor:
+            if not token_ids:
+                return apply_boundary(output, own, microbatch)
+            ids, basis, table = token_ids["ids"], model.basis.detach(), model.token_table
+            c = subspace.encode(output, ids, basis, table)
+            return subspace.decode(apply_boundary(c, own, microbatch), ids, basis, table)
+
+        return boundary
 
     for layer_id in hooked:
-        model.layers[str(layer_id)].register_forward_hook(boundary)
+        model.layers[str(layer_id)].register_forward_hook(boundary_hook(copy.deepcopy(codec)))
     return hooked
 
 

@@ -2,7 +2,8 @@
 
 A message carries one microbatch ``[mb, seq, d]`` across one boundary in one direction:
 
-* ``subspace``: the coordinates ``c`` ``[mb, seq, k]`` in the compute dtype;
+* ``subspace``: the coordinates ``c`` ``[mb, seq, k]`` in the compute dtype, or (``[codec]
+  bits``) their quantized payload;
 * ``dense``: the stream ``x`` ``[mb, seq, d]`` in the compute dtype;
 * a lossy codec: its packed payload, ``Codec.payload_bytes`` (equal to the tensors it sends).
 
@@ -29,8 +30,10 @@ def message_bytes(
     codec: Codec | None = None,
 ) -> int:
     """Bytes of one ``direction`` (``fwd``/``bwd``) message of a ``shape`` ``[mb, seq, d]``
-    boundary tensor in ``dtype`` under ``mode`` (``codec``: the lossy mode's codec)."""
+    boundary in ``dtype`` under ``mode`` (``codec``: the mode's codec, ``wire.codecs.build_codec``;
+    in ``subspace`` mode it acts on ``[mb, seq, k]``)."""
+    if mode == "subspace":
+        shape = (*shape[:-1], k)
     if codec is not None:
         return codec.payload_bytes(torch.Size(shape), dtype, direction)
-    width = k if mode == "subspace" else shape[-1]
-    return math.prod(shape[:-1]) * width * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
