@@ -28,6 +28,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from protocol_models import run_record
 from protocol_models.codecs import LOSSY_MODES, CodecSettings, build_codec
 from protocol_models.console import Progress
 from protocol_models.data import TextDataLoader
@@ -141,6 +142,7 @@ class ProtocolTrainer(Trainer):
             config.loss = ModelLoss.Config()
         self.progress = Progress(config.training.steps)
         super().__init__(config)
+        run_record.write(config)  # what export needs to read the checkpoints
         self.metrics_processor.gpu_peak_flops = config.hardware.peak_tflops * 1e12
         logger.info(
             f"MFU is measured against [hardware] peak_tflops = {config.hardware.peak_tflops:g}"

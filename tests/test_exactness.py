@@ -3,6 +3,7 @@
 From one seed checkpoint (TorchTitan's ``create_seed_checkpoint``, written by one process), a
 1-process run and an S-stage GPipe run must produce the same loss at every step: the boundaries
 carry only k coordinates and the next stage rebuilds the stream from them and the token ids.
+(conftest's ``seed_checkpoint`` and ``seeded_runs`` run them once; the export tests reuse them.)
 """
 
 from __future__ import annotations
@@ -10,14 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import torchrun
 
-
-def _seed_checkpoint(tmp_path, stages: int):
-    folder = tmp_path / f"seed{stages}"
-    torchrun(
-        1, folder, "--protocol.stages", str(stages),
-        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-    )  # fmt: skip
-    return folder / "checkpoint" / "step-0"
+from protocol_models.metrics import read_jsonl
 
 
 def _assert_same_run(a: list[dict], b: list[dict], rtol: float = 2e-6):
@@ -30,19 +24,16 @@ def _assert_same_run(a: list[dict], b: list[dict], rtol: float = 2e-6):
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-def test_pipelined_losses_equal_single_process(tmp_path, stages):
-    seed = _seed_checkpoint(tmp_path, stages)
-    load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
-    single = torchrun(1, tmp_path / "pp1", "--protocol.stages", str(stages), *load)
-    piped = torchrun(stages, tmp_path / f"pp{stages}", *load)
+def test_pipelined_losses_equal_single_process(seeded_runs, stages):
+    single, piped = (read_jsonl(dump / "metrics.jsonl") for dump in seeded_runs(stages))
 
     assert piped[-1]["wire/compression_ratio"] == pytest.approx(64 / 4)
     _assert_same_run(single, piped)
 
 
-def test_schedules_agree(tmp_path):
+def test_schedules_agree(tmp_path, seed_checkpoint):
     """GPipe and 1F1B run the same microbatches through the same stages: same losses."""
-    seed = _seed_checkpoint(tmp_path, 2)
+    seed = seed_checkpoint(2)
     load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
     gpipe = torchrun(2, tmp_path / "gpipe", *load)
     one_f_one_b = torchrun(

@@ -1,0 +1,29 @@
+"""What the after-training commands (export, evaluate, generate) share: usage errors and user
+errors as one ``error: ...`` line on stderr with exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from protocol_models.errors import UserError
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are a UserError (one line), not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message}; usage: {self.usage}")
+
+
+def run(body: Callable[[argparse.Namespace], None], parser: Parser, argv: list[str] | None) -> int:
+    """Parse ``argv`` and run ``body``: 0 on success, 2 with one ``error:`` line on a
+    UserError (bad arguments included)."""
+    try:
+        body(parser.parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
