@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,7 @@ def _default_steps(record: RunRecord | None, args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> None:
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata's
     with model_folder(args) as folder:
         record = folder_record(folder)
         model = load_causal_lm(folder)

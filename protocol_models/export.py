@@ -1,7 +1,7 @@
 """Export a run's checkpoint as an ordinary Hugging Face LLaMA.
 
     python -m protocol_models.export --checkpoint DIR [--step N] --out DIR
-        [--dtype float32|bfloat16] [--toml FILE] [--max-shard-bytes N]
+        [--dtype float32|bfloat16] [--max-shard-bytes N] [--toml FILE [--section.key value ...]]
 
 ``--checkpoint`` is a run's checkpoint folder (``<dump_folder>/checkpoint``, default: its latest
 complete step) or one ``step-N`` folder, written by any pipeline layout, in any mode (subspace in
@@ -10,7 +10,8 @@ either parametrization, the dense twin, lossy-codec runs). The constraint is fol
 (``protocol_models.hf_llama``), and ``--out`` receives ``config.json``,
 ``generation_config.json``, safetensors shards, the run's tokenizer files and the run record
 ``run.json``. What the checkpoint means comes from the ``run.json`` the run wrote next to it, or
-from ``--toml`` (the run's config) for checkpoints without one.
+from ``--toml`` (the run's config, and the overrides the run was launched with) for
+checkpoints without one.
 
 Everything runs on the CPU without a process group and holds one group of tensors at a time
 (the embedding, one block, or norm + head) plus one shard being written, so an 8B export fits in
@@ -22,6 +23,7 @@ checkpoint of another layout) is one ``error:`` line, exit code 2, and nothing w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -46,18 +48,19 @@ from protocol_models.run_record import RunRecord
 
 USAGE = (
     "python -m protocol_models.export --checkpoint DIR [--step N] --out DIR "
-    "[--dtype float32|bfloat16] [--toml FILE]"
+    "[--dtype float32|bfloat16] [--toml FILE [--section.key value ...]]"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_record(checkpoint_folder: Path, toml: str | None) -> RunRecord:
-    """The run record next to the checkpoints, or the one ``--toml`` (the run's config) gives."""
+def load_record(checkpoint_folder: Path, toml: str | None, overrides: list[str]) -> RunRecord:
+    """The run record next to the checkpoints, or the one ``--toml`` (the run's config, with
+    the run's ``--section.key value`` overrides) gives."""
     if toml is None:
         return run_record.read(checkpoint_folder)
     from protocol_models.config import load_config
 
-    return RunRecord.from_config(load_config(toml, [], check_environment=False))
+    return RunRecord.from_config(load_config(toml, overrides, check_environment=False))
 
 
 def check_out(out: Path) -> None:
@@ -80,9 +83,11 @@ def export(
     tensors = CheckpointTensors(step_dir)
     check_layout(model_config, {n: i.shape for n, i in tensors.info.items()}, str(step_dir))
     dtype = dtype or tensors.info["lm_head.weight"].dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    new_parents = [p for p in reversed(out.absolute().parents) if not p.exists()]
+    staging = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
         staging.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; the result is not
         special_ids = copy_tokenizer(Path(record.hf_assets_path), staging)
         writer = ShardWriter(staging, dtype, max_shard_bytes)
@@ -102,8 +107,15 @@ def export(
         if out.is_dir():
             out.rmdir()  # empty (checked above): the rename below replaces it
         os.rename(staging, out)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write it ({e.strerror or e})") from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; else a failure
+        if not out.exists():
+            for parent in reversed(new_parents):  # the folders made for --out, deepest first
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
     return files
 
 
@@ -117,7 +129,7 @@ def _main(args: argparse.Namespace) -> None:
     out = Path(args.out)
     check_out(out)
     folder, step_dir = locate(Path(args.checkpoint), args.step)
-    record = load_record(folder, args.toml)
+    record = load_record(folder, args.toml, args.overrides)
     files = export(step_dir, record, out, DTYPES.get(args.dtype), args.max_shard_bytes)
     print(f"exported {step_dir} ({record.protocol.mode}) to {out}: {', '.join(files)}")
 

@@ -84,5 +84,6 @@ def _embedding(
     _, table, _ = subspace.generate(
         c.subspace_seed, c.dim, c.k, c.vocab_size, table_dtype=_DTYPES[c.table_dtype]
     )
-    factored = c.parametrization == "factor"
-    return table.float() + (weight.float() @ basis.T if factored else weight.float())
+    dense = table.float()  # fp32 F is not copied: the sum below is in place
+    dense += weight.float() @ basis.T if c.parametrization == "factor" else weight.float()
+    return dense

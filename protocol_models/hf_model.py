@@ -18,7 +18,7 @@ from protocol_models.run_record import RunRecord
 
 
 def add_source_arguments(parser: cli.Parser) -> None:
-    """``--hf DIR`` or ``--checkpoint DIR [--step N] [--toml FILE]``."""
+    """``--hf DIR`` or ``--checkpoint DIR [--step N] [--toml FILE [--section.key value ...]]``."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", metavar="DIR", help="a folder written by protocol_models.export")
     source.add_argument("--checkpoint", metavar="DIR", help="a run's checkpoint folder or step")
@@ -36,7 +36,7 @@ def model_folder(args: argparse.Namespace) -> Iterator[Path]:
         yield folder
         return
     checkpoint_folder, step_dir = locate(Path(args.checkpoint), args.step)
-    record = load_record(checkpoint_folder, args.toml)
+    record = load_record(checkpoint_folder, args.toml, args.overrides)
     with tempfile.TemporaryDirectory(prefix="protocol-models-export-") as tmp:
         folder = Path(tmp) / "model"
         export(step_dir, record, folder)

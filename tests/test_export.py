@@ -89,6 +89,36 @@ def test_export_of_every_mode_equals_the_plugin_forward(tmp_path, mode):
     assert _relative_difference(model, tmp_path / "hf") <= 1e-4
 
 
+def test_a_checkpoint_without_record_exports_with_the_runs_toml(tmp_path):
+    model, checkpoint = _synthetic(tmp_path, [])
+    (checkpoint / run_record.RECORD_NAME).unlink()
+    args = ["--checkpoint", str(checkpoint / "step-5"), "--out", str(tmp_path / "hf")]
+    assert export.main([*args, "--toml", str(TINY), "--model.n_kv_heads", "2"]) == 0
+    assert _relative_difference(model, tmp_path / "hf") <= 1e-4
+
+
+def test_a_sharded_export_loads(tmp_path):
+    model, checkpoint = _synthetic(tmp_path, MODES["full"])
+    args = ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]
+    assert export.main([*args, "--max-shard-bytes", "1000000"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert _relative_difference(model, tmp_path / "hf") <= 1e-4
+
+
+def test_the_export_keeps_the_checkpoint_dtype_unless_told(tmp_path):
+    model, checkpoint = _synthetic(tmp_path, [])
+    state = {n: t.bfloat16() if n != "basis" else t for n, t in model.state_dict().items()}
+    dcp.save(state, checkpoint_id=str(checkpoint / "step-6"), no_dist=True)
+    assert export.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "bf16")]) == 0
+    args = ["--checkpoint", str(checkpoint), "--step", "5", "--dtype", "bfloat16"]
+    assert export.main([*args, "--out", str(tmp_path / "told")]) == 0
+    for out in ("bf16", "told"):
+        assert json.loads((tmp_path / out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+        weights = load_file(tmp_path / out / "model.safetensors")
+        assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
 def _no_permutation(monkeypatch):
     monkeypatch.setattr(Llama3StateDictAdapter, "_permute", lambda self, w, *args: w)
 
@@ -155,6 +185,7 @@ def _bad_record(checkpoint, tmp_path, change: dict):
         ("another model's record", "'basis' has shape [64, 4], the run record's model has [64, 8]"),
         ("no run record", "pass --toml"),
         ("bad dtype", "argument --dtype: invalid choice"),
+        ("out under a file", "cannot write it"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(checkpoint, tmp_path, capsys, case, expected):
@@ -177,6 +208,10 @@ def test_bad_input_is_one_line_and_writes_nothing(checkpoint, tmp_path, capsys, 
         args[1] = str(copy)
     elif case == "bad dtype":
         args += ["--dtype", "float16"]
+    elif case == "out under a file":
+        out.parent.mkdir()
+        (out.parent / "a-file").write_text("mine")
+        args[3] = str(out.parent / "a-file" / "hf")
     before = sorted(p.name for p in (tmp_path / "out").iterdir()) if out.parent.exists() else None
 
     assert export.main(args) == 2
