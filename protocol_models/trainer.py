@@ -45,6 +45,7 @@ from protocol_models.model import (
 )
 from protocol_models.optimizers import bind_subspace
 from protocol_models.pipeline import pipeline_protocol
+from protocol_models.samples import sample_at_validation
 from protocol_models.stage import WireMeter
 
 
@@ -84,7 +85,7 @@ class HardwareSettings:
 
 
 class ProtocolValidator(Validator):
-    """TorchTitan's Validator, passing token ids to every stage."""
+    """TorchTitan's Validator, passing token ids to every stage; then ``[metrics]`` samples."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Validator.Config):
@@ -93,6 +94,10 @@ class ProtocolValidator(Validator):
     def post_dataloading_process(self, input_dict, labels, model_parts):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels, model_parts)
         return inputs, labels, add_protocol_kwargs(inputs, labels, extra, model_parts[0].config)
+
+    def validate(self, model_parts, step: int) -> None:
+        super().validate(model_parts, step)
+        sample_at_validation(self, model_parts, step)  # [metrics] sample_prompts
 
 
 class ProtocolTrainer(Trainer):

@@ -45,20 +45,25 @@ def seed_checkpoint(tmp_path_factory):
 
 VALIDATE_AT_END = ["--validator.enable", "--validator.freq", "3", "--validator.steps", "2"]
 """Validation after the last of tiny.toml's 3 steps, on 2 batches (what export tests compare)."""
+SAMPLE_PROMPTS = ["ROMEO:", "To be, or not"]
+SAMPLES = ["--metrics.sample_prompts", repr(SAMPLE_PROMPTS).replace("'", '"'),
+           "--metrics.sample_tokens", "8"]  # fmt: skip
+"""Greedy continuations at each validation (``samples.jsonl``)."""
 
 
 @pytest.fixture(scope="session")
 def seeded_runs(tmp_path_factory, seed_checkpoint):
     """``seeded_runs(stages)``: ``(single, piped)`` dump folders of two runs of the tiny subspace
     model from ``seed_checkpoint(stages)``, one process (``protocol.stages``) and ``stages`` GPipe
-    processes, each run once per session with a checkpoint at its last step and validation."""
+    processes, each run once per session with a checkpoint at its last step, validation and
+    sampled continuations."""
     made: dict[int, tuple[Path, Path]] = {}
 
     def make(stages: int) -> tuple[Path, Path]:
         if stages not in made:
             folder = tmp_path_factory.mktemp(f"seeded{stages}")
             load = ["--checkpoint.enable", "--checkpoint.initial_load_path",
-                    str(seed_checkpoint(stages)), *VALIDATE_AT_END]  # fmt: skip
+                    str(seed_checkpoint(stages)), *VALIDATE_AT_END, *SAMPLES]  # fmt: skip
             single, piped = folder / "pp1", folder / f"pp{stages}"
             torchrun(1, single, "--protocol.stages", str(stages), *load)
             torchrun(stages, piped, *load)

@@ -22,11 +22,11 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, TINY, VALIDATE_AT_END, torchrun
+from conftest import REPO, SAMPLE_PROMPTS, TINY, VALIDATE_AT_END, torchrun
 from safetensors.torch import load_file
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
-from protocol_models import evaluate, export, fold, run_record, subspace
+from protocol_models import evaluate, export, fold, generate, run_record, subspace
 from protocol_models.checkpoint_files import CheckpointTensors
 from protocol_models.config import load_config
 from protocol_models.hf_model import load_causal_lm
@@ -307,3 +307,21 @@ def test_four_stage_export_equals_in_process_export(trained, tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=1e-5), name
+
+
+def test_samples_at_validation_are_the_exported_models_greedy_continuations(trained, tmp_path):
+    """``[metrics] sample_prompts``: the continuations the 1-process and the 4-stage runs logged
+    after step 3 are equal, and equal to ``generate``'s greedy continuation by the export."""
+    logged = {
+        run: [r for r in read_jsonl(trained[run] / "samples.jsonl") if r["step"] == 3]
+        for run in ("factor, 1 process", "factor, 4 stages")
+    }
+    single, piped = logged.values()
+    assert [r["prompt"] for r in piped] == SAMPLE_PROMPTS and single == piped
+    checkpoint = trained["factor, 4 stages"] / "checkpoint"
+    export.export(max(checkpoint.glob("step-*")), run_record.read(checkpoint), tmp_path / "hf")
+    model = load_causal_lm(tmp_path / "hf")
+    for record in piped:
+        text = generate.continue_text(model, tmp_path / "hf", record["prompt"], max_new_tokens=8,
+                                      temperature=0.0, top_p=1.0, seed=0)  # fmt: skip
+        assert text == record["continuation"]
