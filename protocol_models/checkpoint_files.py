@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from protocol_models.errors import UserError
 
 _STEP = re.compile(r"step-(\d+)")
+TABLE_SHA256 = "train_state.subspace_table_sha256"
+"""Where ``ProtocolTrainer.state_dict`` puts the digest of F, once TorchTitan flattens it."""
 
 
 def complete_steps(folder: Path) -> dict[int, Path]:
@@ -88,6 +90,13 @@ class CheckpointTensors:
             for name, meta in metadata.state_dict_metadata.items()
             if isinstance(meta, TensorStorageMetadata)
         }
+
+    def table_sha256(self) -> bytes | None:
+        """The sha256 of F the trainer stores with its train state (None: not in this
+        checkpoint, e.g. a dense run or a model-only save)."""
+        if TABLE_SHA256 not in self.info:
+            return None
+        return bytes(self.load([TABLE_SHA256])[TABLE_SHA256].tolist())
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         """``name -> tensor`` (the stored dtype) for ``names``, all present in ``info``."""

@@ -91,7 +91,7 @@ def export(
         staging.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; the result is not
         special_ids = copy_tokenizer(Path(record.hf_assets_path), staging)
         writer = ShardWriter(staging, dtype, max_shard_bytes)
-        for group in dense_groups(model_config, tensors.load):
+        for group in dense_groups(model_config, tensors.load, tensors.table_sha256()):
             writer.add(to_hf(model_config, group))
         files = writer.close()
         config = hf_config(

@@ -56,14 +56,18 @@ def check_layout(
 
 
 def dense_groups(
-    model_config: ProtocolModel.Config, load: TensorSource
+    model_config: ProtocolModel.Config, load: TensorSource, table_sha256: bytes | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The dense LLaMA's tensors, TorchTitan-named, fp32, in groups: ``{EMBEDDING}``, each
-    block's ``layers.<i>.*`` in order, then ``{norm.weight, lm_head.weight}``."""
+    block's ``layers.<i>.*`` in order, then ``{norm.weight, lm_head.weight}``.
+
+    ``table_sha256``: the digest of F the run stored in its checkpoint (``train_state``); the
+    regenerated F must match it (a record with another seed or table dtype is a UserError)."""
     names = list(expected_shapes(model_config))
     subspace_mode = model_config.mode == "subspace"
     basis = load(["basis"])["basis"].float() if subspace_mode else None
-    yield {EMBEDDING: _embedding(model_config, load([EMBEDDING])[EMBEDDING], basis)}
+    embedding = load([EMBEDDING])[EMBEDDING]
+    yield {EMBEDDING: _embedding(model_config, embedding, basis, table_sha256)}
     for layer_id, block in enumerate(model_config.layers):
         prefix = f"layers.{layer_id}."
         group = {n: t.float() for n, t in load([n for n in names if n.startswith(prefix)]).items()}
@@ -75,15 +79,24 @@ def dense_groups(
 
 
 def _embedding(
-    model_config: ProtocolModel.Config, weight: torch.Tensor, basis: torch.Tensor | None
+    model_config: ProtocolModel.Config,
+    weight: torch.Tensor,
+    basis: torch.Tensor | None,
+    table_sha256: bytes | None,
 ) -> torch.Tensor:
     """``[V, d]``: ``F + E U^T`` (factor, E ``[V, k]``), ``F + E`` (full), ``E`` (dense)."""
     if basis is None:
         return weight.float()
     c = model_config
-    _, table, _ = subspace.generate(
+    _, table, digest = subspace.generate(
         c.subspace_seed, c.dim, c.k, c.vocab_size, table_dtype=_DTYPES[c.table_dtype]
     )
+    if table_sha256 is not None and digest != table_sha256:
+        raise UserError(
+            f"the token table F that protocol.seed = {c.subspace_seed} (table_dtype "
+            f"{c.table_dtype}) generates is not the one this checkpoint was trained with (sha256 "
+            f"{digest.hex()[:12]} vs {table_sha256.hex()[:12]}): the run record is another run's"
+        )
     dense = table.float()  # fp32 F is not copied: the sum below is in place
     dense += weight.float() @ basis.T if c.parametrization == "factor" else weight.float()
     return dense

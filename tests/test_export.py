@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 from protocol_models import evaluate, export, fold, generate, run_record, subspace
-from protocol_models.checkpoint_files import CheckpointTensors
+from protocol_models.checkpoint_files import TABLE_SHA256, CheckpointTensors
 from protocol_models.config import load_config
 from protocol_models.hf_model import load_causal_lm
 from protocol_models.metrics import read_jsonl
@@ -77,6 +77,8 @@ def _synthetic(folder, overrides: list[str], basis_in_checkpoint: str = "trained
         state = model.state_dict()
         if basis_in_checkpoint == "seeded":
             state["basis"] = seeded
+        if model.subspace:  # as ProtocolTrainer.state_dict stores it
+            state[TABLE_SHA256] = torch.frombuffer(bytearray(model.table_sha256), dtype=torch.uint8)
     dcp.save(state, checkpoint_id=str(folder / "checkpoint" / "step-5"), no_dist=True)
     (folder / "checkpoint" / run_record.RECORD_NAME).write_text(record.to_json())
     return model, folder / "checkpoint"
@@ -184,6 +186,7 @@ def _bad_record(checkpoint, tmp_path, change: dict):
         ("other layout", "records checkpoint layout 0"),
         ("another model's record", "'basis' has shape [64, 4], the run record's model has [64, 8]"),
         ("no run record", "pass --toml"),
+        ("another seed's record", "protocol.seed = 8 (table_dtype float32) generates is not"),
         ("bad dtype", "argument --dtype: invalid choice"),
         ("out under a file", "cannot write it"),
     ],
@@ -202,6 +205,8 @@ def test_bad_input_is_one_line_and_writes_nothing(checkpoint, tmp_path, capsys, 
         args[1] = str(_bad_record(checkpoint, tmp_path, {"layout": 0}))
     elif case == "another model's record":
         args[1] = str(_bad_record(checkpoint, tmp_path, {"protocol.k": 8}))
+    elif case == "another seed's record":
+        args[1] = str(_bad_record(checkpoint, tmp_path, {"protocol.seed": 8}))
     elif case == "no run record":
         copy = _bad_record(checkpoint, tmp_path, {})
         (copy / run_record.RECORD_NAME).unlink()
