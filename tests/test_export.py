@@ -314,7 +314,9 @@ def test_four_stage_export_equals_in_process_export(trained, tmp_path):
         assert torch.allclose(a[name], b[name], rtol=0, atol=1e-5), name
 
 
-def test_samples_at_validation_are_the_exported_models_greedy_continuations(trained, tmp_path):
+def test_samples_at_validation_are_the_exported_models_greedy_continuations(
+    trained, tmp_path, capsys
+):
     """``[metrics] sample_prompts``: the continuations the 1-process and the 4-stage runs logged
     after step 3 are equal, and equal to ``generate``'s greedy continuation by the export."""
     logged = {
@@ -330,3 +332,12 @@ def test_samples_at_validation_are_the_exported_models_greedy_continuations(trai
         text = generate.continue_text(model, tmp_path / "hf", record["prompt"], max_new_tokens=8,
                                       temperature=0.0, top_p=1.0, seed=0)  # fmt: skip
         assert text == record["continuation"]
+    capsys.readouterr()
+    prompt = ["--hf", str(tmp_path / "hf"), "--prompt", piped[0]["prompt"], "--max-new-tokens", "8"]
+    assert generate.main(prompt) == 0
+    assert capsys.readouterr().out == piped[0]["prompt"] + piped[0]["continuation"] + "\n"
+    sampled = [generate.main([*prompt, "--temperature", "0.8", "--top-p", "0.9"]) for _ in "ab"]
+    first, second = capsys.readouterr().out.splitlines()
+    assert sampled == [0, 0] and first == second  # the same --seed (default 0), the same text
+    assert generate.main([*prompt, "--temperature", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --temperature must be >= 0")
