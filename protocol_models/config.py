@@ -205,6 +205,16 @@ def validate(config: ProtocolTrainer.Config) -> None:
         config.metrics.log_freq >= 1,
         f"metrics.log_freq = {config.metrics.log_freq}: must be >= 1",
     )
+    prompts, sample_tokens = config.metrics.sample_prompts, config.metrics.sample_tokens
+    require(
+        not prompts or (len(prompts) <= training.local_batch_size and sample_tokens >= 1),
+        f"metrics.sample_prompts: {len(prompts)} prompts, sample_tokens = {sample_tokens}: "
+        f"at most training.local_batch_size = {training.local_batch_size} prompts, tokens >= 1",
+    )
+    require(
+        not prompts or not model.loss_chunk_tokens,
+        "metrics.sample_prompts needs the logits: model.loss_chunk_tokens = 0",
+    )
     require(
         not config.validator.enable or config.dataloader.has_validation,
         "validator.enable = true, but [dataloader] names no validation data: set "

@@ -23,6 +23,7 @@ from torchtitan.components.metrics import (
     BaseLogger,
     LoggerContainer,
     MetricsProcessor,
+    TensorBoardLogger,
     WandBLogger,
 )
 from torchtitan.tools.utils import device_module, get_local_device
@@ -40,9 +41,10 @@ class JsonlLogger(BaseLogger):
     Validation calls (metrics prefixed ``validation_metrics/``) go to a separate file.
     """
 
-    def __init__(self, train_path: str, validation_path: str):
+    def __init__(self, train_path: str, validation_path: str, samples_path: str):
         os.makedirs(os.path.dirname(train_path) or ".", exist_ok=True)
         self.train_path, self.validation_path = train_path, validation_path
+        self.samples_path = samples_path
         self._opened: set[str] = set()
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -51,11 +53,18 @@ class JsonlLogger(BaseLogger):
         record.update({_CANONICAL[k]: v for k, v in metrics.items() if k in _CANONICAL})
         record.update(metrics)
         path = self.validation_path if is_validation else self.train_path
+        self._append(path, [record], step)
+
+    def log_text(self, samples: list[dict[str, str]], step: int) -> None:
+        """Sampled continuations (``prompt``, ``continuation``) go to their own file."""
+        self._append(self.samples_path, [{"step": step, **sample} for sample in samples], step)
+
+    def _append(self, path: str, records: list[dict], step: int) -> None:
         if path not in self._opened:
             _drop_records_from(path, step)
             self._opened.add(path)
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -94,6 +103,11 @@ class ConfiguredWandbLogger(WandBLogger):
             dir=log_dir,
             config=config_dict,
         )
+
+    def log_text(self, samples: list[dict[str, str]], step: int) -> None:
+        columns = ["prompt", "continuation"]
+        table = self.wandb.Table(columns=columns, data=[[s[c] for c in columns] for s in samples])
+        self.wandb.log({"samples": table}, step=step)
 
 
 class IdsChecksum:
@@ -140,6 +154,11 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         wandb_run_name: str | None = None
         wandb_group: str | None = None
         wandb_tags: list[str] = field(default_factory=list)
+        sample_prompts: list[str] = field(default_factory=list)
+        """At every validation, log a greedy continuation of each prompt (at most
+        ``training.local_batch_size`` prompts; ``protocol_models.samples``). Empty: off."""
+        sample_tokens: int = 32
+        """Tokens each sampled continuation gets (fewer where the row ends at ``seq_len``)."""
 
     wire: Wire | None = None
     """The trainer's wire, handed over after construction as TorchTitan hands over
@@ -175,9 +194,27 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             JsonlLogger(
                 os.path.join(dump_folder, "metrics.jsonl"),
                 os.path.join(dump_folder, "validation.jsonl"),
+                os.path.join(dump_folder, "samples.jsonl"),
             )
         )
         return container
+
+    def log_samples(self, step: int, prompts: list[str], continuations: list[str]) -> None:
+        """Sampled continuations as text (the metrics rank): ``samples.jsonl``, a wandb table,
+        TensorBoard text ``samples/<i>``."""
+        if dist.get_rank() != _metrics_rank(self.parallel_dims):
+            return
+        samples = [
+            {"prompt": p, "continuation": c} for p, c in zip(prompts, continuations, strict=True)
+        ]
+        for sink in _leaf_loggers(self.logger):
+            if isinstance(sink, TensorBoardLogger):
+                for i, sample in enumerate(samples):
+                    sink.writer.add_text(
+                        f"samples/{i}", sample["prompt"] + sample["continuation"], step
+                    )
+            elif hasattr(sink, "log_text"):
+                sink.log_text(samples, step)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         loss, max_loss = self._from_last_stage([global_avg_loss, global_max_loss])
@@ -276,6 +313,13 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         else:
             value = int(checksum)
         return {"data/ids_checksum": value % 2**24}
+
+
+def _leaf_loggers(logger: BaseLogger) -> list[BaseLogger]:
+    """The loggers inside (nested) ``LoggerContainer``s, which keep them in ``_loggers``."""
+    if not isinstance(logger, LoggerContainer):
+        return [logger]
+    return [leaf for inner in logger._loggers for leaf in _leaf_loggers(inner)]
 
 
 def _peak_memory_bytes() -> float:

@@ -31,6 +31,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from protocol_models import run_record
 from protocol_models.console import Progress
 from protocol_models.data import TextDataLoader
 from protocol_models.errors import StartupError
@@ -42,6 +43,7 @@ from protocol_models.model import ModelArch, build_model_spec
 from protocol_models.optimizers import bind_subspace
 from protocol_models.pipeline import parallelize_protocol, pipeline_protocol
 from protocol_models.protocol import ProtocolSettings
+from protocol_models.samples import sample_at_validation
 from protocol_models.wire import Wire
 from protocol_models.wire.codecs import CodecSettings
 from protocol_models.wire.link import LinkSettings
@@ -83,7 +85,7 @@ class HardwareSettings:
 
 
 class ProtocolValidator(Validator):
-    """TorchTitan's Validator, passing token ids to every stage."""
+    """TorchTitan's Validator, passing token ids to every stage; then ``[metrics]`` samples."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Validator.Config):
@@ -92,6 +94,10 @@ class ProtocolValidator(Validator):
     def post_dataloading_process(self, input_dict, labels, model_parts):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels, model_parts)
         return inputs, labels, add_protocol_kwargs(inputs, labels, extra, model_parts[0].config)
+
+    def validate(self, model_parts, step: int) -> None:
+        super().validate(model_parts, step)
+        sample_at_validation(self, model_parts, step)  # [metrics] sample_prompts
 
 
 class ProtocolTrainer(Trainer):
@@ -145,6 +151,7 @@ class ProtocolTrainer(Trainer):
             config.loss = ModelLoss.Config()
         self.progress = Progress(config.training.steps)
         super().__init__(config)
+        run_record.write(config)  # what export needs to read the checkpoints
         self.metrics_processor.gpu_peak_flops = config.hardware.peak_tflops * 1e12
         logger.info(
             f"MFU is measured against [hardware] peak_tflops = {config.hardware.peak_tflops:g}"

@@ -23,6 +23,56 @@ def bundled_data():
     return shakespeare.prepare(REPO / shakespeare.DEFAULT_CACHE)
 
 
+@pytest.fixture(scope="session")
+def seed_checkpoint(tmp_path_factory):
+    """``seed_checkpoint(stages)``: the step-0 checkpoint of the tiny subspace model built for
+    ``stages`` pipeline stages, written once per session by one process (TorchTitan's
+    ``create_seed_checkpoint``); pipelined and in-process runs loading it start identical."""
+    made: dict[int, Path] = {}
+
+    def make(stages: int) -> Path:
+        if stages not in made:
+            folder = tmp_path_factory.mktemp(f"seed{stages}")
+            torchrun(
+                1, folder, "--protocol.stages", str(stages),
+                "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+            )  # fmt: skip
+            made[stages] = folder / "checkpoint" / "step-0"
+        return made[stages]
+
+    return make
+
+
+VALIDATE_AT_END = ["--validator.enable", "--validator.freq", "3", "--validator.steps", "2"]
+"""Validation after the last of tiny.toml's 3 steps, on 2 batches (what export tests compare)."""
+SAMPLE_PROMPTS = ["ROMEO:", "To be, or not"]
+SAMPLES = ["--metrics.sample_prompts", repr(SAMPLE_PROMPTS).replace("'", '"'),
+           "--metrics.sample_tokens", "8"]  # fmt: skip
+"""Greedy continuations at each validation (``samples.jsonl``)."""
+
+
+@pytest.fixture(scope="session")
+def seeded_runs(tmp_path_factory, seed_checkpoint):
+    """``seeded_runs(stages)``: ``(single, piped)`` dump folders of two runs of the tiny subspace
+    model from ``seed_checkpoint(stages)``, one process (``protocol.stages``) and ``stages`` GPipe
+    processes, each run once per session with a checkpoint at its last step, validation and
+    sampled continuations."""
+    made: dict[int, tuple[Path, Path]] = {}
+
+    def make(stages: int) -> tuple[Path, Path]:
+        if stages not in made:
+            folder = tmp_path_factory.mktemp(f"seeded{stages}")
+            load = ["--checkpoint.enable", "--checkpoint.initial_load_path",
+                    str(seed_checkpoint(stages)), *VALIDATE_AT_END, *SAMPLES]  # fmt: skip
+            single, piped = folder / "pp1", folder / f"pp{stages}"
+            torchrun(1, single, "--protocol.stages", str(stages), *load)
+            torchrun(stages, piped, *load)
+            made[stages] = single, piped
+        return made[stages]
+
+    return make
+
+
 def torchrun(
     nproc: int, dump_folder: Path, *overrides: str, toml: Path = TINY, env=None,
     return_output: bool = False,

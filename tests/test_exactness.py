@@ -3,6 +3,7 @@
 From one seed checkpoint (TorchTitan's ``create_seed_checkpoint``, written by one process), a
 1-process run and an S-stage GPipe run must produce the same loss at every step: the boundaries
 carry only k coordinates and the next stage rebuilds the stream from them and the token ids.
+(conftest's ``seed_checkpoint`` and ``seeded_runs`` run them once; the export tests reuse them.)
 """
 
 from __future__ import annotations
@@ -11,23 +12,9 @@ import pytest
 import torch
 from conftest import torchrun
 
+from protocol_models.metrics import read_jsonl
 from protocol_models.wire.codecs import CodecSettings, build_codec
 from protocol_models.wire.sizes import message_bytes
-
-
-def _seed_checkpoint(tmp_path, stages: int):
-    folder = tmp_path / f"seed{stages}"
-    torchrun(
-        1, folder, "--protocol.stages", str(stages),
-        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-    )  # fmt: skip
-    return folder / "checkpoint" / "step-0"
-
-
-@pytest.fixture(scope="module")
-def two_stage_seed(tmp_path_factory):
-    """One seed checkpoint of the tiny 2-stage subspace model, shared by the tests below."""
-    return _seed_checkpoint(tmp_path_factory.mktemp("seed"), 2)
 
 
 def _assert_same_run(a: list[dict], b: list[dict], rtol: float = 2e-6):
@@ -40,23 +27,16 @@ def _assert_same_run(a: list[dict], b: list[dict], rtol: float = 2e-6):
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-def test_pipelined_losses_equal_single_process(tmp_path, stages, request):
-    seed = (
-        request.getfixturevalue("two_stage_seed")
-        if stages == 2
-        else _seed_checkpoint(tmp_path, stages)
-    )
-    load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
-    single = torchrun(1, tmp_path / "pp1", "--protocol.stages", str(stages), *load)
-    piped = torchrun(stages, tmp_path / f"pp{stages}", *load)
+def test_pipelined_losses_equal_single_process(seeded_runs, stages):
+    single, piped = (read_jsonl(dump / "metrics.jsonl") for dump in seeded_runs(stages))
 
     assert piped[-1]["wire/compression_ratio"] == pytest.approx(64 / 4)
     _assert_same_run(single, piped)
 
 
-def test_schedules_agree(tmp_path, two_stage_seed):
+def test_schedules_agree(tmp_path, seed_checkpoint):
     """GPipe and 1F1B run the same microbatches through the same stages: same losses."""
-    seed = two_stage_seed
+    seed = seed_checkpoint(2)
     load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
     gpipe = torchrun(2, tmp_path / "gpipe", *load)
     one_f_one_b = torchrun(
@@ -65,12 +45,12 @@ def test_schedules_agree(tmp_path, two_stage_seed):
     _assert_same_run(gpipe, one_f_one_b)
 
 
-def test_quantized_coordinates_pipelined_equal_in_graph(tmp_path, two_stage_seed):
+def test_quantized_coordinates_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
     """2-bit coordinates: the pipelined wire (packed payloads at the transport hook, gradients
     stochastically rounded by the receiving stage) equals the in-graph hook of a 1-process run
     (same per-boundary generator, microbatches in schedule order); the wire carries the analytic
     payload."""
-    load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(two_stage_seed)]
+    load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_checkpoint(2))]
     bits = ["--codec.bits", "2"]
     single = torchrun(1, tmp_path / "pp1", "--protocol.stages", "2", *load, *bits)
     piped = torchrun(2, tmp_path / "pp2", *load, *bits)

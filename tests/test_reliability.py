@@ -104,7 +104,7 @@ def test_non_finite_step_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: non-finite")]
     assert errors and "at step 2" in errors[0]
     assert "Traceback" not in result.stderr
-    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1"]
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["run.json", "step-1"]
 
 
 def test_non_finite_steps_can_be_skipped(tmp_path):
