@@ -1,0 +1,192 @@
+"""The compression frontier: validation-loss gap to the dense twin against bytes on the wire.
+
+    python recipes/frontier.py                 # the study, through the shared run cache
+    python recipes/frontier.py --quick         # tiny model, few steps: checks the harness
+    python recipes/frontier.py --render-only   # table and plot from an existing results.json
+    python recipes/frontier.py --only "subspace k=16 4-bit" ... [--one-seed]   # a subset, + dense
+
+Arms, each trained on the reference workload (``configs/reference_cpu.toml``, 300 steps, Muon on
+every arm, in one process with the codecs in-graph at the 4-stage layout's 3 boundaries; runs
+shared with ``recipes/compare.py`` through ``common.train_cached``):
+
+* the exact subspace wire at k in {4, 8, 16, 32, 64}, with its k coordinates in full precision or
+  quantized to 8, 4 or 2 bits (``[codec] bits``: per-token scale, stochastic rounding backward);
+* the lossy baselines of the codec comparison (TopK, quantization, fixed low-rank, SVD);
+* the dense twin, two seeds.
+
+Seed 1 then trains every arm on the seed-0 frontier (no other arm has both fewer bytes and a
+smaller gap). Bytes per token: what one boundary carries per token, forward + backward, every
+scale and index included (the run's fp32 wire; ``wire.sizes.message_bytes``).
+
+Writes ``results/frontier/{results.json,table.md,frontier.png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from protocol_models.config import load_config
+from recipes import common
+from recipes.common import PARALLEL_RUNS, REFERENCE, REPO
+from recipes.compare import ARMS, QUICK, QUICK_TOML, arm, run_all, summarize
+
+KS = [4, 8, 16, 32, 64]
+BITS = [None, 8, 4, 2]
+OUT = REPO / "results" / "frontier"
+
+
+def subspace_arm(k: int, bits: int | None, base_k: int) -> dict:
+    """Subspace rank ``k`` with ``bits``-bit coordinates (None: full precision). At the
+    workload's own k (``base_k``) no k override: the same run, and cache entry, as the codec
+    comparison's."""
+    precision = "full" if bits is None else f"{bits}-bit"
+    extra = [] if k == base_k else ["--protocol.k", str(k)]
+    extra += [] if bits is None else ["--codec.bits", str(bits)]
+    return arm(f"subspace k={k} {precision}", "frontier", "subspace", extra)
+
+
+def study_arms(quick: bool) -> list[dict]:
+    """Every arm of the study (seed 0; the dense twin with seeds 0 and 1)."""
+    if quick:
+        grid = [subspace_arm(4, b, 4) for b in BITS] + [subspace_arm(8, b, 4) for b in (None, 2)]
+        return [arm("dense", "1x", "dense", [], (0, 1)), *grid,
+                arm("lowrank k=4", "lossy", "lowrank", ["--codec.rank", "4"]),
+                arm("quant int2", "lossy", "quant", ["--codec.bits", "2"])]  # fmt: skip
+    grid = [subspace_arm(k, b, 8) for k in KS for b in BITS]
+    lossy = [dict(a, ratio="lossy") for a in ARMS if a["mode"] not in ("dense", "subspace")]
+    return [ARMS[0], *grid, *lossy]
+
+
+def bytes_per_token(entry: dict, tokens_per_step_boundary: int) -> float:
+    b = entry["bytes_per_step"]
+    return (b["fwd"] + b["bwd"]) / tokens_per_step_boundary
+
+
+def frontier(results: dict, tokens: int) -> list[str]:
+    """The arms no other arm beats on both bytes per token and gap (dense excluded)."""
+    points = {name: (bytes_per_token(e, tokens), e["gap_vs_dense_pct"])
+              for name, e in results.items() if name != "dense"}  # fmt: skip
+    return sorted(
+        (n for n, (b, g) in points.items()
+         if not any(b2 <= b and g2 <= g and (b2, g2) != (b, g) for b2, g2 in points.values())),
+        key=lambda n: points[n][0],
+    )  # fmt: skip
+
+
+def render_table(results: dict, meta: dict) -> str:
+    tokens, on = meta["tokens_per_step_boundary"], set(meta["frontier"])
+    subset = meta.get("subset")
+    lines = [
+        f"Reference workload, {meta['steps']} steps, Muon on every arm; {meta['where']}; whole "
+        f"recipe {meta['recipe_wall_s'] / 60:.0f} min wall. Bytes per token: one boundary, "
+        "forward + backward, every scale and index included (fp32 wire)."
+        + (f" **Subset of the study**: {', '.join(subset)} and dense." if subset else ""),
+        "",
+        "| arm | bytes/token | ratio | final val loss (seeds) | gap vs dense | on frontier |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, e in sorted(results.items(), key=lambda i: -bytes_per_token(i[1], tokens)):
+        finals = [f"{s['val_curve'][-1][1]:.3f}" for s in e["seeds"].values()]
+        loss = f"{e['final_val_loss']:.3f}" + (
+            f" ({' / '.join(finals)})" if len(finals) > 1 else ""
+        )
+        lines.append(
+            f"| {name} | {bytes_per_token(e, tokens):,.1f} | {e['ratio']:.1f}x | {loss} "
+            f"| {e['gap_vs_dense_pct']:+.2f}% | {'yes' if name in on else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = meta["tokens_per_step_boundary"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    families = {"subspace full": "C0", "subspace 8-bit": "C1", "subspace 4-bit": "C2",
+                "subspace 2-bit": "C3", "lossy": "0.5"}  # fmt: skip
+    for name, e in results.items():
+        if name == "dense":
+            continue
+        family = "lossy" if e["mode"] != "subspace" else f"subspace {name.split()[-1]}"
+        x, y = bytes_per_token(e, tokens), e["gap_vs_dense_pct"]
+        ax.scatter(x, y, color=families[family], label=family, zorder=3)
+        ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    line = [(bytes_per_token(results[n], tokens), results[n]["gap_vs_dense_pct"])
+            for n in meta["frontier"]]  # fmt: skip
+    ax.plot(*zip(*line, strict=True), "k--", lw=1, label="frontier")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per token per boundary (fwd + bwd)")
+    ax.set_ylabel("validation-loss gap to dense (%)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--render-only", action="store_true")
+    parser.add_argument("--only", nargs="+", metavar="ARM", help="train these arms (and dense)")
+    parser.add_argument("--one-seed", action="store_true", help="no second seed on the frontier")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.render_only:
+        saved = json.loads((args.out / "results.json").read_text())
+        report(saved["runs"], saved["meta"], args.out)
+        return
+    started = time.time()
+    if args.quick:  # keep the harness check's tiny runs out of the shared study cache
+        common.RUN_CACHE = args.out / "runs"
+    toml, quick_over = (QUICK_TOML, QUICK) if args.quick else (REFERENCE, [])
+    arms = study_arms(args.quick)
+    if args.only:
+        unknown = set(args.only) - {a["name"] for a in arms}
+        if unknown:
+            parser.error(f"unknown arms {sorted(unknown)}; the arms: {[a['name'] for a in arms]}")
+        arms = [a for a in arms if a["name"] in {"dense", *args.only}]
+    runs = run_all(arms, toml, quick_over, cached_only=False)
+    summarize(runs)
+    config = load_config(str(toml), quick_over, check_environment=False)
+    tokens = config.training.local_batch_size * config.training.seq_len
+    on = frontier(runs, tokens)
+    second = [] if args.one_seed else [dict(a, seeds=[1]) for a in arms if a["name"] in on]
+    for name, entry in run_all(second, toml, quick_over, cached_only=False).items():
+        runs[name]["seeds"].update(entry["seeds"])
+    summarize(runs)
+    meta = {
+        "quick": args.quick,
+        "toml": str(toml.relative_to(REPO)),
+        "steps": config.training.steps,
+        "tokens_per_step_boundary": tokens,
+        "where": f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 process per run "
+        f"({PARALLEL_RUNS} at a time), in-graph codecs at the 4-stage layout's boundaries"
+        if not args.quick else "CPU (quick harness check)",
+        "frontier": frontier(runs, tokens),
+        "seed1_arms": [a["name"] for a in second],
+        "subset": args.only or None,
+        "recipe_wall_s": time.time() - started,
+    }  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    report(runs, meta, args.out)
+
+
+def report(runs: dict, meta: dict, out: Path) -> None:
+    (out / "table.md").write_text(render_table(runs, meta))
+    plot(runs, meta, out / "frontier.png")
+    print((out / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
