@@ -21,8 +21,8 @@ SHAPE = torch.Size([2, 16, 64])  # mb, seq, d
 TOKENS, D = 32, 64
 
 # (mode, settings, analytic forward bytes, analytic backward bytes) for an fp32 [2, 16, 64] tensor,
-# written from the definitions in the issue (values + int16 indices, bit-packed codes + one scale
-# per token, x P, both SVD factors), independently of the codecs' own payload_bytes.
+# written from the codecs' definitions in results/README.md (values + int16 indices, bit-packed
+# codes + one scale per token, x P, both SVD factors), independently of their payload_bytes.
 CASES = [
     ("topk", CodecSettings(topk=5), TOKENS * 5 * (4 + 2), TOKENS * 5 * (4 + 2)),
     ("topk", CodecSettings(topk=5, topk_backward="straight_through"),
