@@ -46,7 +46,7 @@ from protocol_models.toml_tables import (
 )
 from protocol_models.trainer import ProtocolTrainer
 
-__all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "validate", "world_size"]
+__all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "validate"]
 
 ACTIVATION_CHECKPOINT = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 _TOP_LEVEL_SPECIAL = ("activation_checkpoint", "optimizer")
@@ -222,12 +222,6 @@ def validate(config: ProtocolTrainer.Config) -> None:
     )
 
 
-def world_size(config: ProtocolTrainer.Config) -> int:
-    """Processes the run needs: pipeline stages x data-parallel replicas/shards."""
-    par = config.parallelism
-    return par.pipeline_parallel_degree * config.replicas * par.tensor_parallel_degree
-
-
 def main(argv: list[str] | None = None) -> int:
     """Check a config. On success print ``nproc=<N>`` (processes the run needs),
     ``device=<cuda|cpu>`` and ``prepare_data=<0|1>`` (whether ``python -m protocol_models.prepare``
@@ -241,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"nproc={world_size(config)}")
+    print(f"nproc={config.world_size}")
     print(f"device={config.hardware.device}")
     prepare = not config.dataloader.streaming or data.bundled_data_pending(config)
     print(f"prepare_data={int(prepare)}")

@@ -132,6 +132,12 @@ class ProtocolTrainer(Trainer):
             par = self.parallelism
             return par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
 
+        @property
+        def world_size(self) -> int:
+            """Processes the run needs: pipeline stages x data-parallel ranks x tensor-parallel."""
+            par = self.parallelism
+            return par.pipeline_parallel_degree * self.replicas * par.tensor_parallel_degree
+
     def __init__(self, config: Config):
         self.wire = Wire.from_config(config)
         config.model_spec = build_model_spec(
