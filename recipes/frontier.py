@@ -63,6 +63,8 @@ def study_arms(quick: bool) -> list[dict]:
 
 
 def bytes_per_token(entry: dict, tokens_per_step_boundary: int) -> float:
+    """Bytes one boundary carries per token (forward + backward): a step's bytes over all
+    boundaries / (tokens per step x boundaries)."""
     b = entry["bytes_per_step"]
     return (b["fwd"] + b["bwd"]) / tokens_per_step_boundary
 
@@ -159,7 +161,8 @@ def main() -> None:
     runs = run_all(arms, toml, quick_over, cached_only=False)
     summarize(runs)
     config = load_config(str(toml), quick_over, check_environment=False)
-    tokens = config.training.local_batch_size * config.training.seq_len
+    boundaries = config.layout_stages - 1
+    tokens = config.training.local_batch_size * config.training.seq_len * boundaries
     on = frontier(runs, tokens)
     second = [] if args.one_seed else [dict(a, seeds=[1]) for a in arms if a["name"] in on]
     for name, entry in run_all(second, toml, quick_over, cached_only=False).items():
@@ -170,6 +173,7 @@ def main() -> None:
         "toml": str(toml.relative_to(REPO)),
         "steps": config.training.steps,
         "tokens_per_step_boundary": tokens,
+        "boundaries": boundaries,
         "where": f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 process per run "
         f"({PARALLEL_RUNS} at a time), in-graph codecs at the 4-stage layout's boundaries"
         if not args.quick else "CPU (quick harness check)",
