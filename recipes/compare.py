@@ -112,42 +112,73 @@ def wire_bytes(toml: Path, over: list[str]) -> dict:
     return {"fwd": size("fwd"), "bwd": size("bwd"), "dense": 2 * size("fwd", "dense")}
 
 
-def run_all(arms: list[dict], toml: Path, quick_over: list[str], cached_only: bool) -> dict:
+def run_all(
+    arms: list[dict],
+    toml: Path,
+    quick_over: list[str],
+    cached_only: bool,
+    stored: dict | None = None,
+) -> dict:
     """Train every (arm, seed) through the shared cache, ``PARALLEL_RUNS`` at a time
-    (``cached_only``: take the finished ones, train nothing)."""
+    (``cached_only``: take the finished ones, train nothing). ``stored`` (``stored_runs``): runs
+    already measured by a study's results.json, keyed by their overrides, taken as they are."""
     jobs = [(a, s) for a in arms for s in a["seeds"]]
+    stored = stored or {}
 
-    def one(job):
+    def one(job) -> dict | None:
         a, seed = job
+        if tuple(sorted(overrides(a, seed))) in stored:
+            return stored[tuple(sorted(overrides(a, seed)))]
         over = [*quick_over, *overrides(a, seed)]
         if cached_only:
             folder = run_folder(over, toml=toml, nproc=1)
-            return folder if (folder / "done").is_file() else None
+            return seed_entry(a, seed, folder) if (folder / "done").is_file() else None
         folder = train_cached(over, toml=toml, nproc=1)
         print(f"done: {a['name']} seed {seed} ({folder.name})", flush=True)
-        return folder
+        return seed_entry(a, seed, folder)
 
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        folders = list(pool.map(one, jobs))
+        measured = list(pool.map(one, jobs))
     results: dict = {}
-    for (a, seed), folder in zip(jobs, folders, strict=True):
-        if folder is None:
+    for (a, seed), entry in zip(jobs, measured, strict=True):
+        if entry is None:
             continue
         if a["name"] not in results:  # bytes do not depend on the seed: measured once per arm
             results[a["name"]] = {
                 "ratio_group": a["ratio"], "mode": a["mode"],
                 "bytes_per_step": wire_bytes(toml, [*quick_over, *overrides(a, seed)]), "seeds": {},
             }  # fmt: skip
-        entry = results[a["name"]]
-        train = read_jsonl(folder / "metrics.jsonl")
-        entry["seeds"][str(seed)] = {
-            "run": repo_relative(folder),
-            "overrides": overrides(a, seed),
-            "val_curve": validation_curve(folder),
-            "final_train_loss": train[-1]["loss"] if train else None,
-            "wall_s": wall_seconds(folder),
-        }
+        results[a["name"]]["seeds"][str(seed)] = entry
     return results
+
+
+def select_arms(parser: argparse.ArgumentParser, arms: list[dict], names: list[str]) -> list[dict]:
+    """The arms called ``names`` (an ``--only`` list); one error line for a name not among them."""
+    unknown = set(names) - {a["name"] for a in arms}
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; the arms: {[a['name'] for a in arms]}")
+    return [a for a in arms if a["name"] in names]
+
+
+def seed_entry(a: dict, seed: int, folder: Path) -> dict:
+    """What a study keeps of one finished run: its validation curve, last training loss, wall."""
+    train = read_jsonl(folder / "metrics.jsonl")
+    return {
+        "run": repo_relative(folder),
+        "overrides": overrides(a, seed),
+        "val_curve": validation_curve(folder),
+        "final_train_loss": train[-1]["loss"] if train else None,
+        "wall_s": wall_seconds(folder),
+    }
+
+
+def stored_runs(results_json: Path) -> dict:
+    """The runs a study's results.json holds, keyed by their sorted overrides (what
+    ``run_all`` looks them up by)."""
+    if not results_json.is_file():
+        return {}
+    runs = json.loads(results_json.read_text())["runs"]
+    return {tuple(sorted(s["overrides"])): s for e in runs.values() for s in e["seeds"].values()}
 
 
 def summarize(results: dict) -> None:
@@ -189,7 +220,14 @@ def render_table(results: dict, meta: dict) -> str:
     steps = meta["steps"]
     lines = [
         f"Reference workload, {steps} steps, optimizer `{OPTIMIZER}` on every arm; ran on "
-        f"{meta['where']}; whole recipe {meta['recipe_wall_s'] / 60:.0f} min wall.",
+        f"{meta['where']}; whole recipe {meta['recipe_wall_s'] / 60:.0f} min wall."
+        + (
+            f" Retrained later with `--only` (bf16 quantizer scales): "
+            f"{', '.join(meta['retrained']['arms'])}, "
+            f"{meta['retrained']['wall_s'] / 60:.0f} min wall."
+            if "retrained" in meta
+            else ""
+        ),
         "",
         "| ratio group | codec | final val loss (seeds) | ppl | gap vs dense | dense steps to "
         "reach (inflation) | fwd + bwd bytes/step | ratio (fwd only) | wall time/run |",
@@ -261,6 +299,9 @@ def main() -> None:
                         help="table and plots from an existing results.json (no runs)")  # fmt: skip
     parser.add_argument("--cached-only", action="store_true",
                         help="report only the runs already finished in the cache")  # fmt: skip
+    parser.add_argument("--only", nargs="+", metavar="ARM",
+                        help="retrain these arms (after a codec change) and keep the other "
+                        "arms of the existing results.json")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.render_only:
@@ -274,7 +315,14 @@ def main() -> None:
     toml, quick_over, arms = (
         (QUICK_TOML, QUICK, QUICK_ARMS) if args.quick else (REFERENCE, [], ARMS)
     )
-    runs = run_all(arms, toml, quick_over, args.cached_only)
+    kept, previous = {}, {}
+    if args.only:  # retrain the named arms, keep every other run of the existing results.json
+        previous = json.loads((args.out / "results.json").read_text())
+        retrain = {tuple(sorted(overrides(a, s)))
+                   for a in select_arms(parser, arms, args.only) for s in a["seeds"]}  # fmt: skip
+        kept = {key: run for key, run in stored_runs(args.out / "results.json").items()
+                if key not in retrain}  # fmt: skip
+    runs = run_all(arms, toml, quick_over, args.cached_only, stored=kept)
     summarize(runs)
     config = load_config(str(toml), quick_over, check_environment=False)
     results = {
@@ -292,13 +340,18 @@ def main() -> None:
         "not_run": [f"{a['name']} (seed {s})" for a in arms for s in a["seeds"]
                     if str(s) not in runs.get(a["name"], {}).get("seeds", {})],
     }  # fmt: skip
-    sub = "subspace k=4" if args.quick else "subspace k=8"
-    sub_folder = REPO / runs[sub]["seeds"]["0"]["run"]
-    dense_folder = REPO / runs["dense"]["seeds"]["0"]["run"]
-    results["error_vs_depth"] = error_vs_depth(
-        toml, quick_over, dense_folder, sub_folder, quick=args.quick
-    )
-    results["meta"]["recipe_wall_s"] = time.time() - started
+    if args.only:  # the dense and subspace runs it measures are not among the retrained arms
+        results["error_vs_depth"] = previous["error_vs_depth"]
+        results["meta"]["recipe_wall_s"] = previous["meta"]["recipe_wall_s"]
+        results["meta"]["retrained"] = {"arms": args.only, "wall_s": time.time() - started}
+    else:
+        sub = "subspace k=4" if args.quick else "subspace k=8"
+        sub_folder = REPO / runs[sub]["seeds"]["0"]["run"]
+        dense_folder = REPO / runs["dense"]["seeds"]["0"]["run"]
+        results["error_vs_depth"] = error_vs_depth(
+            toml, quick_over, dense_folder, sub_folder, quick=args.quick
+        )
+        results["meta"]["recipe_wall_s"] = time.time() - started
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     report(results, args.out)
 

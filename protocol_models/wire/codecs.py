@@ -43,9 +43,9 @@ Where they run (both paths call the same ``encode``/``decode`` on the same packe
 
 **Quantized subspace coordinates.** ``mode = "subspace"`` with ``[codec] bits`` sends the k
 coordinates ``c = (x - F[ids]) U`` ``[mb, seq, k]`` through the ``quant`` codec: a per-token
-absmax scale in the wire dtype and ``bits``-bit codes, round-to-nearest forward, unbiased
-stochastic rounding of the gradient coordinates backward; ``k b / 8 + itemsize`` bytes per token
-instead of ``k itemsize``. In-graph, the hook encodes the stream to ``c``, quantizes it and
+absmax scale (bf16) and ``bits``-bit codes, round-to-nearest forward, unbiased stochastic
+rounding of the gradient coordinates backward; ``k b / 8 + 2`` bytes per token instead of
+``k itemsize``. In-graph, the hook encodes the stream to ``c``, quantizes it and
 rebuilds ``x̂ = F[ids] + ĉ Uᵀ``, as the next stage would. Without ``bits`` the wire is exact.
 
 **Adding a codec** is one ``Codec`` subclass decorated with ``@register_codec``: its ``name``
@@ -173,7 +173,8 @@ class Codec(ABC):
     def encode(self, x: torch.Tensor) -> Payload: ...
 
     @abstractmethod
-    def decode(self, payload: Payload, shape: torch.Size) -> torch.Tensor: ...
+    def decode(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
+        """``x̂`` of ``shape``; the receiver casts it to its buffer's (the wire's) dtype."""
 
     @abstractmethod
     def encode_grad(self, g: torch.Tensor, fwd: Payload) -> Payload: ...
@@ -247,11 +248,20 @@ class TopK(Codec):
         return tokens * self.k * (dtype.itemsize + index)
 
 
+def _bf16_at_least(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (fp32, >= 0) as the smallest bf16 value >= ``a`` (relative excess < ``2^-7``)."""
+    rounded = a.to(torch.bfloat16)
+    up = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+    return torch.where(rounded.float() < a, up, rounded)
+
+
 @register_codec
 class Quant(Codec):
-    """Per-token absmax ``a``, ``2^b`` uniform levels on ``[-a, a]`` (step ``2a / (2^b - 1)``),
-    codes bit-packed ``8 / b`` per byte. Forward rounds to nearest (error <= step / 2), gradients
-    round stochastically (unbiased, error < step). Bytes per token: ``d b / 8 + itemsize``."""
+    """Per-token scale ``a``: the token's absmax rounded up to bf16 (2 bytes whatever the wire
+    dtype, within ``2^-7`` of the absmax; bf16 keeps fp32's range, so tiny gradients keep their
+    scale). ``2^b`` uniform levels on ``[-a, a]`` (step ``2a / (2^b - 1)``), codes bit-packed
+    ``8 / b`` per byte. Forward rounds to nearest (error <= step / 2), gradients round
+    stochastically (unbiased, error < step). Bytes per token: ``d b / 8 + 2``."""
 
     name = "quant"
     settings = ("bits", "seed")
@@ -281,7 +291,7 @@ class Quant(Codec):
         return self._generators[device]
 
     def _quantize(self, x: torch.Tensor, stochastic: bool) -> Payload:
-        scale = x.abs().amax(dim=-1, keepdim=True).to(x.dtype)
+        scale = _bf16_at_least(x.abs().amax(dim=-1, keepdim=True).float())
         tiny = torch.finfo(torch.float32).tiny
         u = (x.float() / scale.float().clamp_min(tiny) + 1) * (self.levels / 2)
         if stochastic:
@@ -305,8 +315,7 @@ class Quant(Codec):
     def decode(self, payload, shape):
         packed, scale = payload
         codes = self._unpack(packed).float()
-        x = (codes * (2 / self.levels) - 1) * scale.float()
-        return x.to(scale.dtype)
+        return (codes * (2 / self.levels) - 1) * scale.float()
 
     def encode(self, x):
         return self._quantize(x, stochastic=False)
@@ -319,11 +328,11 @@ class Quant(Codec):
 
     def spec(self, shape, dtype, direction):
         lead = tuple(shape[:-1])
-        return [((*lead, shape[-1] // self.per_byte), torch.uint8), ((*lead, 1), dtype)]
+        return [((*lead, shape[-1] // self.per_byte), torch.uint8), ((*lead, 1), torch.bfloat16)]
 
     def payload_bytes(self, shape, dtype, direction):
         tokens = math.prod(shape[:-1])
-        return tokens * (shape[-1] * self.bits // 8 + dtype.itemsize)
+        return tokens * (shape[-1] * self.bits // 8 + torch.bfloat16.itemsize)
 
 
 @register_codec
@@ -445,7 +454,7 @@ class _Boundary(torch.autograd.Function):
         ctx.shapes = [part.shape for part in parts]
         return torch.cat(
             [codec.decode(p, shape) for p, shape in zip(ctx.payloads, ctx.shapes, strict=True)]
-        )
+        ).to(x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -455,7 +464,7 @@ class _Boundary(torch.autograd.Function):
         ):
             sent = codec.encode_grad(part.contiguous(), payload)
             grads.append(codec.decode_grad(sent, payload, shape))
-        return torch.cat(grads), None, None
+        return torch.cat(grads).to(g.dtype), None, None
 
 
 def apply_boundary(x: torch.Tensor, codec: Codec, microbatch: int | None = None) -> torch.Tensor:
