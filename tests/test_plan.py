@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO
 
 from protocol_models.config import load_config
+from protocol_models.emulate import emulated_link
 from protocol_models.layout import stage_layer_ranges
 from protocol_models.model import ModelArch
 from protocol_models.plan import (
@@ -22,6 +23,7 @@ from protocol_models.plan import (
     stage_cost,
     stage_params,
 )
+from protocol_models.wire.link import transfer_seconds
 
 CONFIGS = ["llama3_8b_protocol", "llama3_8b_dense", "llama3_2b_protocol", "llama3_2b_dense"]
 
@@ -217,3 +219,22 @@ def test_proposed_split_is_the_fastest_that_fits():
     config.hardware.usable_memory_gib = 1.0  # below the CUDA context: nothing fits
     assert propose_split(config, 0.4) is None
     assert _minimax_split(3, 3, lambda s, n: float(n)) == (1.0, [1, 1, 1])
+
+
+def test_emulated_link_carries_the_targets_wire_share_over():
+    """On the emulated link a dense reference boundary spends the 2B model's share of a step on
+    the wire (per step, forward + backward), split into latency and bandwidth time as the
+    target's dense message is (16 microbatches of [2, 1024, 4096] bf16)."""
+    target = load_config(str(REPO / "configs/llama3_2b_protocol.toml"), [],
+                         check_environment=False)  # fmt: skip
+    reference = load_config(str(REPO / "configs/reference_cpu.toml"), [])
+    for mbps in (80.0, 1000.0):
+        link = emulated_link(target, mbps, 50.0, reference, reference_step_s=1.5)
+        ref_bytes = 2 * 256 * 256 * 4  # [mb, seq, d] fp32 dense message
+        message = transfer_seconds(ref_bytes, link.bandwidth_mbps * 1e6, link.latency_ms / 1e3)
+        assert 2 * 4 * message / 1.5 == pytest.approx(link.wire_share, rel=1e-9)
+        target_bytes = 2 * 1024 * 4096 * 2  # bf16 [2, 1024, 4096]
+        target_message = transfer_seconds(target_bytes, mbps * 1e6, 0.05)
+        assert link.target_message_s == pytest.approx(target_message)
+        assert link.wire_share == pytest.approx(2 * 16 * target_message / link.target_step_s)
+        assert link.latency_ms / 1e3 / message == pytest.approx(0.05 / target_message)

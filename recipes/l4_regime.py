@@ -1,0 +1,246 @@
+"""Time to target in the L4 regime: the reference workload on links that give it the wire-time
+share of a 2B model on L4 GPUs at 80, 200 and 1000 Mbit/s (+ 50 ms).
+
+    python recipes/l4_regime.py                 # the study (link-off step, timing, long runs)
+    python recipes/l4_regime.py --quick         # tiny model, few steps: checks the harness
+    python recipes/l4_regime.py --render-only   # table and plot from an existing results.json
+
+1. **The emulated links.** The dense twin's link-off step of the pipelined reference workload
+   (4 processes, gloo) is measured; ``protocol_models.emulate`` turns it, with the planner's
+   prediction for ``configs/llama3_2b_protocol.toml`` on its GPUs (L4: ``[hardware]``, MFU 0.4),
+   into the ``[wan]`` bandwidth and latency under which a dense reference boundary spends the
+   same share of a step on the wire as the 2B model's at each target link.
+2. **Step time** of every arm on each emulated link: pipelined runs, steady state
+   (``common.steady_step_time``, 5-step windows: the slow links make long runs expensive).
+3. **Steps to target**: the strict target is the dense twin's mean final validation loss at 300
+   steps (the frontier's dense runs, Muon, seeds 0 and 1). The learning rate decays over each
+   run's own budget, so a longer run's curve is not the 300-step run's: each compressed arm
+   trains in one process (codecs in-graph, as in the frontier), seed 0, with growing budgets
+   (``BUDGETS``; 300 is its frontier run) until a run ends at or below the target; the steps to
+   target interpolate the final losses linearly between the two budgets around the crossing.
+4. ``T = steps to target x step time``; ``T / time_scale`` is the L4-equivalent time.
+
+Arms: dense (the twin), the exact subspace wire (k=8), the quantized subspace arm of the
+frontier with the smallest gap among those sending at most k=8's bytes, and the lossy baseline
+with the smallest gap at >= 32x (``--arms`` overrides both picks).
+
+Writes ``results/l4_regime/{results.json,table.md,t_to_target.png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from protocol_models.config import load_config
+from protocol_models.emulate import emulated_link
+from recipes import common
+from recipes.common import (
+    REFERENCE,
+    REPO,
+    steady_step_time,
+    steps_to_reach,
+    train,
+    train_cached,
+    validation_curve,
+)
+from recipes.compare import OPTIMIZER
+
+TARGET = REPO / "configs" / "llama3_2b_protocol.toml"
+BANDWIDTHS = [80.0, 200.0, 1000.0]
+LATENCY_MS = 50.0
+BUDGETS = [300, 450, 600, 900]
+"""Training budgets (steps) tried in turn for the steps to target; 300: the frontier's runs."""
+QUICK_BUDGETS = [12, 18, 24]
+TIMING_STEPS = 20
+FRONTIER = REPO / "results" / "frontier" / "results.json"
+QUICK = ["--model.dim", "64", "--model.n_layers", "4", "--training.seq_len", "64"]
+
+
+def pick_arms(frontier: dict) -> dict[str, list[str]]:
+    """Arm name -> its overrides (the module docstring's rule), from the frontier's results."""
+    runs = frontier["runs"]
+    arms = {"dense": ["--protocol.mode", "dense"], "subspace k=8 full": []}
+    quantized = [n for n, e in runs.items() if e["mode"] == "subspace" and "-bit" in n]
+    lossy = [n for n, e in runs.items() if e["mode"] not in ("dense", "subspace")]
+    for group in (quantized, lossy):
+        at_32x = [n for n in group if runs[n]["ratio"] >= 32]
+        if at_32x:
+            best = min(at_32x, key=lambda n: runs[n]["gap_vs_dense_pct"])
+            arms[best] = arm_overrides(runs[best])
+    return arms
+
+
+def arm_overrides(entry: dict) -> list[str]:
+    """A frontier arm's own overrides (its runs' lists without optimizer and seed)."""
+    over = next(iter(entry["seeds"].values()))["overrides"]
+    return over[: over.index("--optimizer.name")]
+
+
+def link_off_step(out: Path, quick: list[str], steps: int) -> float:
+    """The dense twin's steady link-off step time, pipelined as the timing runs are."""
+    records = train(out / "link_off", [*quick, *timing(["--protocol.mode", "dense"], steps)])
+    return steady_step_time(records)[0]
+
+
+def timing(overrides: list[str], steps: int) -> list[str]:
+    return [*overrides, "--training.steps", str(steps), "--metrics.log_freq", "1",
+            "--validator.enable", "false", "--optimizer.name", OPTIMIZER]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "l4_regime")
+    parser.add_argument("--render-only", action="store_true")
+    parser.add_argument("--arms", nargs="+", metavar="NAME",
+                        help="frontier arm names instead of the two picks")  # fmt: skip
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.render_only:
+        report(json.loads((args.out / "results.json").read_text()), args.out)
+        return
+    quick = QUICK if args.quick else []
+    frontier = json.loads(FRONTIER.read_text())
+    arms = pick_arms(frontier)
+    if args.arms:
+        arms = {
+            "dense": arms["dense"],
+            **{n: arm_overrides(frontier["runs"][n]) for n in args.arms},
+        }
+    reference = load_config(str(REFERENCE), quick, check_environment=False)
+    target = load_config(str(TARGET), [], check_environment=False)
+    timing_steps = 6 if args.quick else TIMING_STEPS
+    step_off = link_off_step(args.out / "runs", quick, 12 if args.quick else 45)
+    results: dict = {"meta": {"quick": args.quick, "target": str(TARGET.relative_to(REPO)),
+                              "latency_ms": LATENCY_MS, "link_off_step_s": step_off},
+                     "links": {}, "step_s": {}, "steps_to_target": {}}  # fmt: skip
+    for mbps in BANDWIDTHS:
+        link = emulated_link(target, mbps, LATENCY_MS, reference, step_off)
+        results["links"][str(int(mbps))] = vars(link)
+        wan = ["--wan.bandwidth_mbps", f"{link.bandwidth_mbps:.6g}",
+               "--wan.latency_ms", f"{link.latency_ms:.6g}"]  # fmt: skip
+        for name, over in arms.items():
+            records = train(args.out / "runs" / f"{name}/{int(mbps)}",
+                            [*quick, *timing([*over, *wan], timing_steps)])  # fmt: skip
+            results["step_s"][f"{name}/{int(mbps)}"] = steady_step_time(records, window=5)[0]
+            (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.quick:  # keep the harness check's tiny runs out of the shared study cache
+        common.RUN_CACHE = args.out / "runs" / "cache"
+    base = {name: final_loss(over, quick, QUICK_BUDGETS[0]) for name, over in arms.items()}
+    if not args.quick:  # the frontier's 300-step runs (the dense twin: its two seeds' mean)
+        base = {name: frontier["runs"][name]["seeds"]["0"]["val_curve"][-1][1] for name in arms}
+        base["dense"] = frontier["runs"]["dense"]["final_val_loss"]
+    target = base["dense"]
+    budgets = QUICK_BUDGETS if args.quick else BUDGETS
+    results["meta"].update(target_loss=target, base_steps=budgets[0])
+    results["steps_to_target"] = {
+        name: budget_search(over, quick, budgets, base[name], target) for name, over in arms.items()
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    report(results, args.out)
+
+
+def budget_search(over: list[str], quick: list[str], budgets: list[int], base_loss: float,
+                  target: float) -> dict:  # fmt: skip
+    """Train budgets ``budgets[1:]`` in turn until one ends at or below ``target``; the steps to
+    target interpolate linearly between the budgets around the crossing (None: not reached at
+    the largest budget). ``(budget, final validation loss)`` pairs are kept."""
+    points = [(budgets[0], base_loss)]
+    for budget in budgets[1:]:
+        if points[-1][1] <= target:
+            break
+        points.append((budget, final_loss(over, quick, budget)))
+    return {"budgets": points, "steps": steps_to_reach(points, target)}
+
+
+def final_loss(over: list[str], quick: list[str], steps: int) -> float:
+    """The final validation loss of a one-process run of ``over`` (seed 0, Muon) with a budget
+    of ``steps`` (its own warm-up and decay), through the run cache."""
+    quick_val = ["--validator.freq", str(steps), "--validator.steps", "2"] if quick else []
+    folder = train_cached([*quick, *quick_val, *over, "--training.steps", str(steps),
+                           "--optimizer.name", OPTIMIZER, "--debug.seed", "0"])  # fmt: skip
+    return validation_curve(folder)[-1][1]
+
+
+def t_rows(results: dict) -> list[dict]:
+    """Per (target link, arm): steps to target, step time, T, L4-equivalent T, T(dense) / T."""
+    rows = []
+    for mbps, link in results["links"].items():
+        dense = None
+        for name, reach in results["steps_to_target"].items():
+            step_s = results["step_s"][f"{name}/{mbps}"]
+            t = None if reach["steps"] is None else reach["steps"] * step_s
+            dense = t if name == "dense" else dense
+            rows.append({"mbps": int(mbps), "arm": name, "steps": reach["steps"],
+                         "step_s": step_s, "T_s": t,
+                         "T_l4_s": None if t is None else t / link["time_scale"],
+                         "speedup": None if t is None else dense / t})  # fmt: skip
+    return rows
+
+
+def render_table(results: dict) -> str:
+    meta = results["meta"]
+    lines = [
+        f"Reference workload, pipelined over 4 processes (gloo) on links emulating "
+        f"`{meta['target']}` on its GPUs at each bandwidth + {meta['latency_ms']:g} ms; "
+        f"link-off dense step {meta['link_off_step_s']:.3f} s. Target: validation loss "
+        f"{meta['target_loss']:.3f} (the dense twin's at {meta['base_steps']} steps).",
+        "",
+        "| target link | emulated link | arm | steps to target | step time | T | T (L4 equiv.) "
+        "| T(dense) / T |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in t_rows(results):
+        link = results["links"][str(row["mbps"])]
+        reached = row["steps"] is not None
+        budgets = results["steps_to_target"][row["arm"]]["budgets"]
+        lines.append(
+            f"| {row['mbps']} Mbit/s | {link['bandwidth_mbps']:.3g} Mbit/s + "
+            f"{link['latency_ms']:.0f} ms | {row['arm']} | "
+            + (f"{row['steps']:.0f}" if reached else f"not within {budgets[-1][0]}")
+            + f" | {row['step_s']:.2f} s | "
+            + (
+                f"{row['T_s']:,.0f} s | {row['T_l4_s']:,.0f} s | {row['speedup']:.1f}x |"
+                if reached
+                else "— | — | — |"
+            )  # fmt: skip
+        )
+    lines += ["", "Budgets tried (steps: final validation loss, seed 0):", ""]
+    for name, reach in results["steps_to_target"].items():
+        tried = ", ".join(f"{b}: {loss:.3f}" for b, loss in reach["budgets"])
+        lines.append(f"- {name}: {tried}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    rows = [r for r in t_rows(results) if r["T_l4_s"] is not None]
+    for arm in results["steps_to_target"]:
+        points = sorted((r["mbps"], r["T_l4_s"]) for r in rows if r["arm"] == arm)
+        if points:
+            ax.plot(*zip(*points, strict=True), "o-", label=arm)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("target link bandwidth (Mbit/s, + 50 ms)")
+    ax.set_ylabel("time to target, L4-equivalent (s)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def report(results: dict, out: Path) -> None:
+    (out / "table.md").write_text(render_table(results))
+    plot(results, out / "t_to_target.png")
+    print((out / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
