@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from protocol_models import cli, run_record
+from protocol_models.boundary import BOUNDARIES
 from protocol_models.checkpoint_files import CheckpointTensors, locate
 from protocol_models.errors import UserError
 from protocol_models.fold import check_layout, dense_groups
@@ -80,6 +81,11 @@ def export(
     names of the weight files. ``dtype`` None: the checkpoint's (its LM head's)."""
     check_out(out)
     model_config = record.model_config()
+    if not BOUNDARIES[model_config.mode].exportable:
+        raise UserError(
+            f"protocol.mode = {model_config.mode!r}: its boundary layers are not part of a LLaMA, "
+            "so the model has no Hugging Face form; export takes runs of the other modes"
+        )
     tensors = CheckpointTensors(step_dir)
     check_layout(model_config, {n: i.shape for n, i in tensors.info.items()}, str(step_dir))
     dtype = dtype or tensors.info["lm_head.weight"].dtype

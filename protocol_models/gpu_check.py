@@ -31,6 +31,7 @@ from pathlib import Path
 
 from torchtitan.config import TORCH_DTYPE_MAP
 
+from protocol_models.boundary import BOUNDARIES
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
 from protocol_models.metrics import read_jsonl
@@ -55,7 +56,7 @@ def check_overrides(steps: int, dump_folder: str) -> list[str]:
 
 def summarize(config, records: list[dict]) -> tuple[str, bool]:
     """The report for a finished check run, and whether every stage fits the card."""
-    from protocol_models.plan import plan_stages
+    from protocol_models.plan import boundary_width, plan_stages
 
     protocol, training = config.protocol, config.training
     stages = config.layout_stages
@@ -82,10 +83,10 @@ def summarize(config, records: list[dict]) -> tuple[str, bool]:
     )
     last = records[-1]
     if stages > 1:
-        width = protocol.k if protocol.mode == "subspace" else config.model.dim
+        width = boundary_width(config)
         tokens = training.local_batch_size * training.seq_len
         per_coordinate = last["wire/fwd_bytes/b0"] / (tokens * width)
-        kind = "coordinate" if protocol.mode in ("subspace", "dense") else "coordinate sent"
+        kind = "coordinate" if protocol.mode in BOUNDARIES else "coordinate sent"
         lines.append(
             f"wire: {per_coordinate:g} B per {kind} at boundary 0 "
             f"({last['wire/fwd_bytes/b0']:,.0f} B forward per step), measured compression "

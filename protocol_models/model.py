@@ -22,6 +22,13 @@ The last stage's blocks, the final norm and the (untied) LM head stay full rank.
 mode the same recipe builds the unconstrained twin: stock llama3 blocks and a ``d``-wide wire.
 A lossy ``[protocol] mode`` trains that dense model too; its codec lives on the wire
 (``protocol_models.wire``), never in this module.
+
+``resbm`` mode (Residual Bottleneck Models, Aboudib et al., arXiv 2604.11947) builds the dense
+model with a learned autoencoder across every boundary, ``h = k`` wide: the last block before a
+boundary ends with an encoder in its MLP branch and returns ``b = enc(silu(ffn)) + x[..., :h]``
+``[mb, seq, h]`` (the stage output, what crosses); the first block after it feeds
+``relu(dec(b))`` ``[mb, seq, d]`` to its attention and restarts the stream from ``b``
+zero-padded to ``d`` (``ProtocolBlock.forward``).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.protocols.model_spec import ModelSpec
 
 from protocol_models import subspace
+from protocol_models.boundary import label
 from protocol_models.errors import UserError, require
 from protocol_models.layout import stage_layer_ranges
 from protocol_models.loss import chunked_cross_entropy
@@ -117,17 +125,28 @@ class ProtocolBlock(Llama3TransformerBlock):
     constrains; the optimizers' row-wise and projection rules act on them). ``factored``: its
     ``attention.wo`` and ``feed_forward.w2`` output ``k`` coordinates and the block adds
     ``branch @ U.T`` ``[mb, seq, d]`` to the stream.
+
+    ResBM (``resbm`` mode, ``h = k``): with an ``encoder`` (``[h, d]``, the last block before a
+    boundary) the block returns the bottleneck ``b`` ``[mb, seq, h]``; with a ``decoder``
+    (``[d, h]``, the first block after one) it takes ``b`` as its input. A block alone on a
+    middle stage has both.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3TransformerBlock.Config):
         upstream: bool = False
         factored: bool = False
+        encoder: Linear.Config | None = None
+        """ResBM sender: ``d -> h``, after the SiLU of the MLP branch."""
+        decoder: Linear.Config | None = None
+        """ResBM receiver: ``h -> d``, then ReLU, the attention branch's input."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.upstream = config.upstream
         self.factored = config.factored
+        self.encoder = config.encoder.build() if config.encoder is not None else None
+        self.decoder = config.decoder.build() if config.decoder is not None else None
 
     def writers(self) -> list[nn.Parameter]:
         """The two weights that write into the residual stream (``[out, in]``)."""
@@ -140,11 +159,19 @@ class ProtocolBlock(Llama3TransformerBlock):
         positions: torch.Tensor | None = None,
         basis: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attn = self.attention(self.attention_norm(x), attention_masks, positions)
+        """``x`` ``[mb, seq, d]`` (with a decoder: ``b`` ``[mb, seq, h]``) -> the stream
+        ``[mb, seq, d]`` (with an encoder: ``b`` ``[mb, seq, h]``)."""
+        stream, branch_in = x, x
+        if self.decoder is not None:
+            branch_in = torch.relu(self.decoder(x))
+            stream = nn.functional.pad(x, (0, self.decoder.out_features - x.shape[-1]))
+        attn = self.attention(self.attention_norm(branch_in), attention_masks, positions)
         if self.factored:
             attn = attn @ basis.to(attn.dtype).T
-        h = x + attn
+        h = stream + attn
         ffn = self.feed_forward(self.ffn_norm(h))
+        if self.encoder is not None:
+            return self.encoder(nn.functional.silu(ffn)) + h[..., : self.encoder.out_features]
         if self.factored:
             ffn = ffn @ basis.to(ffn.dtype).T
         return h + ffn
@@ -158,13 +185,14 @@ class ProtocolModel(Llama3Model):
     basis and is persistent, because subspace updates rotate it. With subspace updates on, ``U``
     requires grad so that autograd accumulates ``dL/dU`` through the lifts and the embedding
     (the codec uses a detached ``U``: its contributions cancel while the invariant holds).
-    A non-last stage returns ``c`` ``[mb, seq, k]`` (subspace) or ``x`` ``[mb, seq, d]`` (dense);
+    A non-last stage returns ``c`` ``[mb, seq, k]`` (subspace), ``x`` ``[mb, seq, d]`` (dense)
+    or ``b`` ``[mb, seq, h]`` (resbm: its last block's output, ``ProtocolBlock``);
     a non-first stage takes that tensor as its positional input and the token ids as a kwarg.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3Model.Config):
-        mode: Literal["subspace", "dense"] = "subspace"
+        mode: Literal["subspace", "dense", "resbm"] = "subspace"
         k: int = 8
         subspace_seed: int = 1234
         table_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -364,9 +392,12 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
     In subspace mode every block outside the last stage's range is constrained, and the token
     embedding is ``V x k``; the last stage's blocks are stock. With ``n_stages == 1`` nothing is
     upstream of a boundary, so nothing is constrained (use ``protocol.stages`` to build an
-    S-stage model in one process). Every mode but ``subspace`` builds the dense model.
+    S-stage model in one process). ``resbm`` builds the dense model with an encoder ``[h, d]``
+    on the last block of every stage but the last and a decoder ``[d, h]`` on the first block
+    of every stage but the first (``h = protocol.k``). Every other mode builds the dense model.
     """
     subspace_mode = protocol.mode == "subspace" and n_stages > 1
+    bottleneck = protocol.mode == "resbm" and n_stages > 1
     factored = subspace_mode and protocol.parametrization == "factor"
     ranges = stage_layer_ranges(arch.n_layers, n_stages, protocol.layers_per_stage)
     last_stage = ranges[-1]
@@ -407,12 +438,24 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
                 feed_forward=feed_forward,
             )
         )
+    if bottleneck:
+        for sender, receiver in zip(ranges[:-1], ranges[1:], strict=True):
+            layers[sender[-1]].encoder = Linear.Config(
+                in_features=arch.dim,
+                out_features=protocol.k,
+                param_init=_trunc_normal(depth_scaled_std(arch.init_std, sender[-1])),
+            )
+            layers[receiver[0]].decoder = Linear.Config(
+                in_features=protocol.k,
+                out_features=arch.dim,
+                param_init=_trunc_normal(arch.init_std),
+            )
     embed_dim = protocol.k if factored else arch.dim
     return ProtocolModel.Config(
         dim=arch.dim,
         vocab_size=arch.vocab_size,
         loss_chunk_tokens=arch.loss_chunk_tokens,
-        mode="subspace" if subspace_mode else "dense",
+        mode="subspace" if subspace_mode else "resbm" if bottleneck else "dense",
         layers_per_stage=protocol.layers_per_stage,
         k=protocol.k,
         subspace_seed=protocol.seed,
@@ -447,7 +490,7 @@ def build_model_spec(
     functions (default parallelize: llama3's)."""
     return ModelSpec(
         name="protocol_llama3",
-        flavor=f"{protocol.mode}-k{protocol.k}" if protocol.mode == "subspace" else protocol.mode,
+        flavor=label(protocol.mode, protocol.k).replace(" ", "-"),
         model=build_model_config(arch, protocol, n_stages),
         parallelize_fn=parallelize_fn,
         pipelining_fn=pipelining_fn,

@@ -5,7 +5,8 @@ Each keeps every boundary exact; the dense twin of each runs the same rule on th
 * ``adamw``: AdamW on every parameter (on the reparametrized factors ``A`` of the constrained
   writers, so every update stays in span(U) by construction);
 * ``muon``: Muon -- Nesterov momentum orthogonalized by a Newton-Schulz iteration -- on the 2-D
-  block weights (attention and MLP projections, including the factors ``A``), AdamW on the
+  block weights (attention and MLP projections, including the factors ``A`` and ResBM's
+  encoders and decoders), AdamW on the
   embedding, head and norms. Newton-Schulz is an odd matrix polynomial, so for
   orthonormal ``U``: ``NS(U Y) = U NS(Y)``: Muon on ``A`` is exactly Muon with projected
   gradients on ``W = U A`` and never leaves the subspace. The dense twin gets the same split;
@@ -43,8 +44,9 @@ from protocol_models.errors import NonFiniteError, require
 from protocol_models.model import local_matrix, project_
 from protocol_models.protocol import Parametrization
 
-BLOCK_MATRICES = r"^layers\.\d+\.(attention|feed_forward)\."
-"""Parameter names Muon trains: every projection inside a block (norms are ``*_norm``)."""
+BLOCK_MATRICES = r"^layers\.\d+\.(attention|feed_forward|encoder|decoder)\."
+"""Parameter names Muon trains: every projection inside a block, ResBM's boundary encoder and
+decoder included (norms are ``*_norm``)."""
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:

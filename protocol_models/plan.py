@@ -16,7 +16,8 @@ Memory, bytes per GPU of stage ``s`` at the start of the backward (every in-flig
 activations alive). ``P``: the stage's parameters; ``D``: ``data_parallel_shard_degree``; ``a``:
 bytes of ``mixed_precision_param`` (2 for bf16); ``T``: tokens per microbatch; ``M``: microbatches
 per step; ``n``: microbatches in flight (GPipe: ``M``; 1F1B: ``min(M, S - s)``); ``d``, ``kv``,
-``h``, ``H``, ``V``, ``k``: width, key/value width, SwiGLU width, heads, vocabulary, subspace rank.
+``h``, ``H``, ``V``, ``k``: width, key/value width, SwiGLU width, heads, vocabulary, subspace rank
+(ResBM's bottleneck width in ``resbm`` mode).
 
 * state ``(8 + o) P / D``: fp32 parameters and gradients and ``o`` bytes of optimizer state per
   parameter (the optimizer's ``OptimizerEntry.state_bytes``: 8 for AdamW's two fp32 moments, an
@@ -35,9 +36,10 @@ per step; ``n``: microbatches in flight (GPipe: ``M``; 1F1B: ``min(M, S - s)``);
   output, log-sum-exp, and ``o``, the output widths of the 1st, 3rd, ... matmul in execution
   order wq, wk, wv, wo, [U lift], w1, w3, w2, [U lift]: TorchTitan saves every second one);
   ``full``: ``a d`` (block input). Plus ``a w`` per token for the stage output kept for its
-  backward (``w``: k for a subspace boundary, else d) or, on the last stage, ``2 a d`` (final-norm
-  input and output); plus, with checkpointing, one block's uncheckpointed set for one microbatch
-  (the recompute);
+  backward (``w``: the boundary method's message width, ``boundary.BoundaryMethod.width``: k for
+  subspace and resbm, else d) or, on the last stage, ``2 a d`` (final-norm input and output); plus,
+  with checkpointing, one block's uncheckpointed set for one microbatch (the recompute). ResBM's
+  encoder and decoder activations (``h + 2 d`` per token and boundary) are not counted;
 * logits, last stage: ``(a + 4) V`` per in-flight token (the logits the stage keeps and the fp32
   log-softmax autograd saves) plus ``8 V T`` (one microbatch's fp32 gradients); with ``[model]
   loss_chunk_tokens = N``: ``(a + 12) V min(N, T)`` (one chunk's logits, fp32 copy, log-softmax
@@ -49,14 +51,17 @@ A stage fits when ``1.10 x`` the sum is at most ``usable_memory_gib`` (the 10%: 
 fragmentation, communication buffers).
 
 Compute, FLOPs per step on one GPU of the stage, ``B = local_batch_size x seq_len`` tokens:
-``6 W B`` for ``W``, the weights of the stage's matmuls (its blocks' Linears and the LM head; the
-embedding is a lookup), plus ``12 L d seq B`` for the attention of its ``L`` blocks (QK^T and AV,
-forward and backward, without the causal half, as TorchTitan counts MFU), plus the recompute:
-``full`` repeats the blocks' forward (``2 W_blocks B + 4 L d seq B``), ``selective`` the matmuls
-it does not save (``2 W_recomputed B``), and with ``loss_chunk_tokens`` the last stage's logits
-again in the backward (``2 V d B``). Not counted: norms, RoPE and the k-wide U lifts
-(< 0.2%), the lossy codecs. Seconds = FLOPs / (``--mfu`` x ``[hardware] peak_tflops``); the
-forward is ``2 W T + 4 L d seq T`` per microbatch, the backward the rest.
+``6 W B`` for ``W``, the weights of the stage's matmuls (its blocks' Linears, the boundary
+method's added weights ``boundary_weights`` -- ResBM's encoder ``d h`` before and decoder ``h d``
+after a boundary -- and the LM head; the embedding is a lookup), plus ``12 L d seq B`` for the
+attention of its ``L`` blocks (QK^T and AV, forward and backward, without the causal half, as
+TorchTitan counts MFU), plus the recompute: ``full`` repeats the blocks' forward
+(``2 W_blocks B + 4 L d seq B``, boundary weights included), ``selective`` the matmuls it does not
+save (``2 W_recomputed B``), and with ``loss_chunk_tokens`` the last stage's logits again in the
+backward (``2 V d B``). Not counted: norms, RoPE and the k-wide U lifts (< 0.2%), the lossy
+codecs, ResBM's encoder and decoder in the selective recompute. Seconds = FLOPs / (``--mfu`` x
+``[hardware] peak_tflops``); the forward is ``2 W T + 4 L d seq T`` per microbatch, the backward
+the rest.
 
 Step time: GPipe runs every microbatch forward through the S stages and S - 1 links, then
 backward. A link is one more server of the pipeline, taking ``8 R m / bandwidth + latency`` per
@@ -88,6 +93,7 @@ from dataclasses import dataclass
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from protocol_models.boundary import BOUNDARIES, label
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
 from protocol_models.layout import stage_layer_ranges
@@ -157,6 +163,25 @@ def _factored_model(config) -> bool:
     )
 
 
+def boundary_weights(config, stage: int) -> int:
+    """Weights the boundary method adds to ``stage``: its ``sender_weights`` unless the stage is
+    the last, its ``receiver_weights`` unless it is the first (ResBM: encoder, decoder)."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    if method is None:
+        return 0
+    d, k = config.model.dim, config.protocol.k
+    shapes = method.sender_weights(d, k) if stage < config.layout_stages - 1 else []
+    shapes += method.receiver_weights(d, k) if stage > 0 else []
+    return sum(fan_in * fan_out for fan_in, fan_out in shapes)
+
+
+def boundary_width(config) -> int:
+    """Features per token of a boundary message (a lossy codec compresses the d-wide stream)."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    d = config.model.dim
+    return method.width(d, config.protocol.k) if method is not None else d
+
+
 def stage_params(config, stage: int, n_blocks: int) -> int:
     """Closed-form parameters of ``stage`` holding ``n_blocks`` blocks."""
     arch = config.model
@@ -165,7 +190,7 @@ def stage_params(config, stage: int, n_blocks: int) -> int:
     factored = _factored_model(config)
     matmuls = block_matmuls(config, factored and not last)
     block = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
-    params = n_blocks * (block + 2 * d)  # + the two RMSNorm weights
+    params = n_blocks * (block + 2 * d) + boundary_weights(config, stage)  # + 2 RMSNorm weights
     if stage == 0:
         params += v * (config.protocol.k if factored else d)
     if last:
@@ -196,14 +221,15 @@ def stage_cost(
     recompute_flops = 0.0
     if isinstance(ac, FullAC.Config):
         kept = a * d
-        recompute_flops = n_blocks * (2 * weights + 4 * d * seq) * tokens
+        blocks_fwd = n_blocks * (2 * weights + 4 * d * seq) + 2 * boundary_weights(config, stage)
+        recompute_flops = blocks_fwd * tokens
     elif isinstance(ac, SelectiveAC.Config):
         kept = a * (2 * d + sum(m.fan_out for m in matmuls[::2])) + 4 * heads
         recomputed = sum(m.fan_in * m.fan_out for m in matmuls[1::2] if m.weight)
         recompute_flops = n_blocks * 2 * recomputed * tokens
     else:
         kept = unsaved
-    per_token = n_blocks * kept + (2 * a * d if last else a * (protocol.k if subspace else d))
+    per_token = n_blocks * kept + (2 * a * d if last else a * boundary_width(config))
     recompute = tokens * unsaved if ac is not None and n_blocks else 0
     activations = in_flight * tokens * per_token + recompute
 
@@ -224,7 +250,7 @@ def stage_cost(
         "F and U": v * d * table_bytes + 4 * d * protocol.k if subspace else 0.0,
         "context": CUDA_CONTEXT,
     }
-    matmul_weights = n_blocks * weights + (v * d if last else 0)
+    matmul_weights = n_blocks * weights + boundary_weights(config, stage) + (v * d if last else 0)
     attention = n_blocks * 4 * d * seq * tokens
     fwd = 2 * matmul_weights * tokens + attention
     if last and getattr(arch, "loss_chunk_tokens", 0):
@@ -385,9 +411,7 @@ def _microbatching(config) -> tuple[int, int, int]:
 
 def _label(config) -> str:
     protocol, bits = config.protocol, config.codec.bits
-    if protocol.mode != "subspace":
-        return protocol.mode
-    return f"subspace k={protocol.k}" + (f" {bits}-bit" if bits else "")
+    return label(protocol.mode, protocol.k) + (f" {bits}-bit" if bits else "")
 
 
 def render(
@@ -407,9 +431,7 @@ def render(
     ac = config.activation_checkpoint
     ac_name = {FullAC.Config: "full", SelectiveAC.Config: "selective"}.get(type(ac), "none")
     lines = [
-        f"model: d={arch.dim}, {arch.n_layers} layers, vocab {arch.vocab_size}, "
-        f"mode={config.protocol.mode}"
-        + (f", k={config.protocol.k}" if config.protocol.mode == "subspace" else ""),
+        f"model: d={arch.dim}, {arch.n_layers} layers, vocab {arch.vocab_size}, {_label(config)}",
         f"total parameters: {sum(p.params for p in plans):,}",
         f"layout: {config.layout_stages} pipeline stages x {dp} data-parallel = {world} GPUs "
         f"({hw.gpus_per_node} per node, {hw.usable_memory_gib:g} GiB usable and "

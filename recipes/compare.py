@@ -1,6 +1,6 @@
 """Codec comparison: every boundary codec at matched compression ratios.
 
-    python recipes/compare.py                 # full study: 18 runs, 1 h 46 min on a 2-core CPU
+    python recipes/compare.py                 # full study: 22 runs (the first 18: 1 h 46 min)
     python recipes/compare.py --quick         # tiny model, few steps: checks the harness (~1 min)
     python recipes/compare.py --render-only   # table and plots from an existing results.json
     python recipes/compare.py --cached-only   # report the finished runs only (trains nothing)
@@ -8,8 +8,11 @@
 Every run trains the reference workload (``configs/reference_cpu.toml``: Shakespeare, d=256,
 8 layers laid out as 4 pipeline stages, 300 steps, validation every 50 steps) in one process with
 ``protocol.stages = 4``: the lossy codecs run in-graph at the 3 stage boundaries
-(``protocol_models.wire.codecs``), the subspace codec is exact. All runs use the same optimizer
-(``OPTIMIZER``: Muon on every block matrix, AdamW elsewhere), so dense is a fair baseline.
+(``protocol_models.wire.codecs``), the subspace codec is exact, and ResBM's learned bottleneck
+(``[protocol] mode = "resbm"``, h = ``protocol.k``) is part of the model. All runs use the same
+optimizer (``OPTIMIZER``: Muon on every block matrix -- ResBM's encoders and decoders included --
+AdamW elsewhere), so dense is a fair baseline. ``--only ARM ...`` (re)trains the named arms and
+keeps every other run of the existing results.json (arms in neither are left out, as not run).
 Runs go through ``common.train_cached``, shared with the other studies.
 
 Writes ``results/compare/{results.json,table.md,val_loss.png,error_vs_depth.png}``.
@@ -64,7 +67,8 @@ def overrides(a: dict, seed: int) -> list[str]:
     return [*mode, *a["extra"], "--optimizer.name", OPTIMIZER, "--debug.seed", str(seed)]
 
 
-ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x (svd and TopK straight-through last)
+ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x (then svd, TopK straight-through and
+    # the learned ResBM bottleneck, added later: 32x with both seeds, 256x, 8x)
     arm("dense", "1x", "dense", [], (0, 1)),
     arm("subspace k=8", "32x", "subspace", [], (0, 1)),
     arm("lowrank k=8", "32x", "lowrank", ["--codec.rank", "8"], (0, 1)),
@@ -81,6 +85,9 @@ ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x (svd and TopK strai
     arm("svd r=21", "8x", "svd", ["--codec.rank", "21"]),
     arm("topk K=5 (ST)", "32x", "topk",
         ["--codec.topk", "5", "--codec.topk_backward", "straight_through"]),
+    arm("resbm h=8", "32x", "resbm", ["--protocol.k", "8"], (0, 1)),
+    arm("resbm h=1", "256x", "resbm", ["--protocol.k", "1"]),
+    arm("resbm h=32", "8x", "resbm", ["--protocol.k", "32"]),
 ]  # fmt: skip
 
 QUICK_ARMS = [
@@ -90,6 +97,7 @@ QUICK_ARMS = [
     arm("topk K=3", "16x", "topk", ["--codec.topk", "3"]),
     arm("quant int2", "16x", "quant", ["--codec.bits", "2"]),
     arm("svd r=2", "16x", "svd", ["--codec.rank", "2"]),
+    arm("resbm h=4", "16x", "resbm", []),
 ]
 
 
@@ -216,17 +224,32 @@ def dense_steps_to(curve: list[tuple[int, float]], target: float) -> dict:
     return {"beyond": curve[-1][0]} if steps is None else {"steps": steps}
 
 
+def only_meta(previous: dict, names: list[str], wall_s: float) -> dict:
+    """What the results' meta records of an ``--only`` pass over ``names`` taking ``wall_s``
+    seconds, on top of the ``previous`` results' records: ``retrained`` (arms the previous
+    results held: their codec changed, the bf16 quantizer scales) and ``added`` (new arms),
+    each ``{"arms": [...], "wall_s": ...}``."""
+    meta = {key: previous["meta"][key] for key in ("retrained", "added") if key in previous["meta"]}
+    for key, arms in (("retrained", [n for n in names if n in previous["runs"]]),
+                      ("added", [n for n in names if n not in previous["runs"]])):  # fmt: skip
+        if arms:
+            before = meta.get(key, {"arms": [], "wall_s": 0.0})
+            arms = [*before["arms"], *(n for n in arms if n not in before["arms"])]
+            meta[key] = {"arms": arms, "wall_s": before["wall_s"] + wall_s}
+    return meta
+
+
 def render_table(results: dict, meta: dict) -> str:
     steps = meta["steps"]
+    later = {"retrained": "Retrained later with `--only` (bf16 quantizer scales)",
+             "added": "Added later with `--only`"}  # fmt: skip
     lines = [
         f"Reference workload, {steps} steps, optimizer `{OPTIMIZER}` on every arm; ran on "
         f"{meta['where']}; whole recipe {meta['recipe_wall_s'] / 60:.0f} min wall."
-        + (
-            f" Retrained later with `--only` (bf16 quantizer scales): "
-            f"{', '.join(meta['retrained']['arms'])}, "
-            f"{meta['retrained']['wall_s'] / 60:.0f} min wall."
-            if "retrained" in meta
-            else ""
+        + "".join(
+            f" {text}: {', '.join(meta[key]['arms'])}, {meta[key]['wall_s'] / 60:.0f} min wall."
+            for key, text in later.items()
+            if key in meta
         ),
         "",
         "| ratio group | codec | final val loss (seeds) | ppl | gap vs dense | dense steps to "
@@ -315,14 +338,15 @@ def main() -> None:
     toml, quick_over, arms = (
         (QUICK_TOML, QUICK, QUICK_ARMS) if args.quick else (REFERENCE, [], ARMS)
     )
-    kept, previous = {}, {}
-    if args.only:  # retrain the named arms, keep every other run of the existing results.json
+    kept, previous, to_run = {}, {}, arms
+    if args.only:  # (re)train the named arms, keep every other run of the existing results.json
         previous = json.loads((args.out / "results.json").read_text())
         retrain = {tuple(sorted(overrides(a, s)))
                    for a in select_arms(parser, arms, args.only) for s in a["seeds"]}  # fmt: skip
         kept = {key: run for key, run in stored_runs(args.out / "results.json").items()
                 if key not in retrain}  # fmt: skip
-    runs = run_all(arms, toml, quick_over, args.cached_only, stored=kept)
+        to_run = [a for a in arms if a["name"] in args.only or a["name"] in previous["runs"]]
+    runs = run_all(to_run, toml, quick_over, args.cached_only, stored=kept)
     summarize(runs)
     config = load_config(str(toml), quick_over, check_environment=False)
     results = {
@@ -343,7 +367,7 @@ def main() -> None:
     if args.only:  # the dense and subspace runs it measures are not among the retrained arms
         results["error_vs_depth"] = previous["error_vs_depth"]
         results["meta"]["recipe_wall_s"] = previous["meta"]["recipe_wall_s"]
-        results["meta"]["retrained"] = {"arms": args.only, "wall_s": time.time() - started}
+        results["meta"].update(only_meta(previous, args.only, time.time() - started))
     else:
         sub = "subspace k=4" if args.quick else "subspace k=8"
         sub_folder = REPO / runs[sub]["seeds"]["0"]["run"]

@@ -25,20 +25,22 @@ def bundled_data():
 
 @pytest.fixture(scope="session")
 def seed_checkpoint(tmp_path_factory):
-    """``seed_checkpoint(stages)``: the step-0 checkpoint of the tiny subspace model built for
+    """``seed_checkpoint(stages, *overrides)``: the step-0 checkpoint of the tiny model (the
+    subspace model, or what ``overrides`` such as ``--protocol.mode resbm`` make it) built for
     ``stages`` pipeline stages, written once per session by one process (TorchTitan's
     ``create_seed_checkpoint``); pipelined and in-process runs loading it start identical."""
-    made: dict[int, Path] = {}
+    made: dict[tuple[str, ...], Path] = {}
 
-    def make(stages: int) -> Path:
-        if stages not in made:
+    def make(stages: int, *overrides: str) -> Path:
+        key = (str(stages), *overrides)
+        if key not in made:
             folder = tmp_path_factory.mktemp(f"seed{stages}")
             torchrun(
-                1, folder, "--protocol.stages", str(stages),
+                1, folder, "--protocol.stages", str(stages), *overrides,
                 "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
             )  # fmt: skip
-            made[stages] = folder / "checkpoint" / "step-0"
-        return made[stages]
+            made[key] = folder / "checkpoint" / "step-0"
+        return made[key]
 
     return make
 

@@ -1,5 +1,6 @@
 """The codec-comparison harness end to end (``recipes/compare.py --quick``: tiny model, 12 steps,
-every codec trained in one process with in-graph boundaries, then the error-vs-depth diagnostic)."""
+every codec and ResBM trained in one process with in-graph boundaries, then the error-vs-depth
+diagnostic), and what an ``--only`` pass records."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 
 from conftest import REPO
+
+from recipes.compare import only_meta
 
 
 def test_compare_quick_writes_well_formed_results(tmp_path):
@@ -21,7 +24,7 @@ def test_compare_quick_writes_well_formed_results(tmp_path):
     results = json.loads((out / "results.json").read_text())
     runs = results["runs"]
     codecs = {"topk K=3", "quant int2", "lowrank k=4", "svd r=2"}
-    assert set(runs) == {"dense", "subspace k=4", *codecs}
+    assert set(runs) == {"dense", "subspace k=4", "resbm h=4", *codecs}
     assert len(runs["dense"]["seeds"]) == 2
     for name, entry in runs.items():
         for seed in entry["seeds"].values():
@@ -32,6 +35,7 @@ def test_compare_quick_writes_well_formed_results(tmp_path):
         assert entry["ratio"] == b["dense"] / (b["fwd"] + b["bwd"])
         assert (entry["ratio"] == 1) == (name == "dense")
     assert runs["subspace k=4"]["ratio"] == runs["lowrank k=4"]["ratio"] == 16
+    assert runs["resbm h=4"]["ratio"] == 16 and runs["resbm h=4"]["mode"] == "resbm"
     depth = results["error_vs_depth"]
     assert set(depth["codecs"]) == codecs
     assert all(0 < e < 2 for c in depth["codecs"].values() for e in c["rel_error"])
@@ -40,3 +44,17 @@ def test_compare_quick_writes_well_formed_results(tmp_path):
     assert all(f"| {name} |" in table for name in runs)
     for png in ("val_loss.png", "error_vs_depth.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_only_passes_record_retrained_and_added_arms():
+    """An ``--only`` pass keeps the earlier passes' records; arms the results held are
+    ``retrained``, new ones ``added``, each with the pass's wall time."""
+    previous = {"runs": {"dense": {}, "quant int2": {}},
+                "meta": {"retrained": {"arms": ["quant int2"], "wall_s": 60.0}}}  # fmt: skip
+    meta = only_meta(previous, ["resbm h=8", "resbm h=1"], 120.0)
+    assert meta == {
+        "retrained": {"arms": ["quant int2"], "wall_s": 60.0},
+        "added": {"arms": ["resbm h=8", "resbm h=1"], "wall_s": 120.0},
+    }
+    again = only_meta({"runs": {}, "meta": meta}, ["resbm h=8", "resbm h=32"], 30.0)
+    assert again["added"] == {"arms": ["resbm h=8", "resbm h=1", "resbm h=32"], "wall_s": 150.0}

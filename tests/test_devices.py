@@ -13,11 +13,11 @@ from conftest import REPO, TINY, torchrun
 from protocol_models.subspace import leak_tolerance
 
 # tests/tiny.toml: local_batch_size 4, microbatch 1, seq_len 64, d 64, k 4
-COORDINATES = {"subspace": 4 * 64 * 4, "dense": 4 * 64 * 64}
+COORDINATES = {"subspace": 4 * 64 * 4, "dense": 4 * 64 * 64, "resbm": 4 * 64 * 4}
 """Boundary coordinates per step and direction (tokens x width)."""
 
 
-@pytest.mark.parametrize("mode", ["subspace", "dense"])
+@pytest.mark.parametrize("mode", list(COORDINATES))
 def test_bf16_mixed_precision_wire(tmp_path, mode):
     """As on GPU: TorchTitan wraps every stage in FSDP with bf16 parameters (even at data
     parallel degree 1). Stage 0 must compute in bf16 and the wire must carry bf16: exactly 2

@@ -3,6 +3,7 @@
 From one seed checkpoint (TorchTitan's ``create_seed_checkpoint``, written by one process), a
 1-process run and an S-stage GPipe run must produce the same loss at every step: the boundaries
 carry only k coordinates and the next stage rebuilds the stream from them and the token ids.
+The same holds for ResBM, whose stages send their learned h-wide bottleneck.
 (conftest's ``seed_checkpoint`` and ``seeded_runs`` run them once; the export tests reuse them.)
 """
 
@@ -62,3 +63,21 @@ def test_quantized_coordinates_pipelined_equal_in_graph(tmp_path, seed_checkpoin
     for r in piped:  # tests/tiny.toml: 4 microbatches of [1, 64, 64] per step, one boundary
         assert r["wire/fwd_bytes/b0"] == r["wire/bwd_bytes/b0"] == 4 * one
         assert r["wire/compression_ratio"] == pytest.approx(64 * 4 / 3)
+
+
+def test_resbm_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
+    """ResBM at h = k = 4 under Muon: two processes sending the bottleneck ``b`` ``[1, 64, 4]``
+    over the wire train exactly as one process with the same boundary in-graph
+    (``protocol.stages = 2``); the wire carries ``b`` and its gradient, nothing else."""
+    resbm = ["--protocol.mode", "resbm", "--optimizer.name", "muon"]
+    load = ["--checkpoint.enable", "--checkpoint.initial_load_path",
+            str(seed_checkpoint(2, *resbm))]  # fmt: skip
+    single = torchrun(1, tmp_path / "pp1", "--protocol.stages", "2", *load, *resbm)
+    piped = torchrun(2, tmp_path / "pp2", *load, *resbm)
+    _assert_same_run(single, piped)
+
+    one = message_bytes("resbm", (1, 64, 64), torch.float32, "fwd", k=4)
+    assert one == 64 * 4 * 4  # per token: h = 4 fp32 values
+    for r in piped:  # tests/tiny.toml: 4 microbatches of [1, 64, 64] per step, one boundary
+        assert r["wire/fwd_bytes/b0"] == r["wire/bwd_bytes/b0"] == 4 * one
+        assert r["wire/compression_ratio"] == pytest.approx(64 / 4)

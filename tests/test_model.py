@@ -88,7 +88,9 @@ def test_constraint_layout(mode):
     assert model.lm_head.weight.shape == (ARCH.vocab_size, ARCH.dim)
 
 
-@pytest.mark.parametrize(("mode", "stages"), [("subspace", 2), ("subspace", 4), ("dense", 2)])
+@pytest.mark.parametrize(
+    ("mode", "stages"), [("subspace", 2), ("subspace", 4), ("dense", 2), ("resbm", 2), ("resbm", 4)]
+)
 def test_chained_stages_equal_the_whole_model(mode, stages):
     """Forward through stages, passing only the wire tensor; backward with the wire gradient.
     Logits and every parameter gradient must match the unsplit model."""
@@ -106,7 +108,7 @@ def test_chained_stages_equal_the_whole_model(mode, stages):
             wire_inputs.append(out)
         out = part(out, token_ids=ids)
         if s < stages - 1:
-            assert out.shape == (2, 16, 4 if mode == "subspace" else ARCH.dim)
+            assert out.shape == (2, 16, ARCH.dim if mode == "dense" else 4)
     loss = out.logsumexp(-1).mean()
     # backward stage by stage, as the pipeline does: only the wire gradient crosses
     grad = torch.autograd.grad(loss, [wire_inputs[-1], *parts[-1].parameters()], allow_unused=True)
@@ -114,7 +116,7 @@ def test_chained_stages_equal_the_whole_model(mode, stages):
         p.grad = g
     wire_grad = grad[0]
     for s in range(stages - 2, -1, -1):
-        assert wire_grad.shape == wire_inputs[s].shape  # the gradient is k-dim too
+        assert wire_grad.shape == wire_inputs[s].shape  # the gradient is k-dim (h-dim) too
         outputs = parts[s](wire_inputs[s - 1] if s > 0 else ids, token_ids=ids)
         inputs = ([wire_inputs[s - 1]] if s > 0 else []) + list(parts[s].parameters())
         grads = torch.autograd.grad(outputs, inputs, grad_outputs=wire_grad, allow_unused=True)

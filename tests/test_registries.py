@@ -1,5 +1,6 @@
-"""Extension points: a codec or an optimizer is one class plus one registry entry, and then the
-config check, the planner's byte and memory figures and the recipes' tables know it."""
+"""Extension points: a codec or an optimizer is one class plus one registry entry (a boundary
+method one entry), and then the config check, the planner's byte and memory figures and the
+recipes' tables know it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from conftest import TINY
 
 from protocol_models import plan
+from protocol_models.boundary import BOUNDARIES, BoundaryMethod
 from protocol_models.config import load_config
 from protocol_models.errors import ConfigError, require
 from protocol_models.model import ModelArch, build_model_config
@@ -111,6 +113,25 @@ def test_a_registered_codec_is_a_mode_everywhere(toy_codec):
     clean = model(ids)
     assert install_in_graph(model, Strided(4), n_stages=2, microbatch=1) == [1]
     assert not torch.equal(model(ids), clean)
+
+
+def test_a_registered_boundary_method_is_a_mode_everywhere(monkeypatch):
+    """One ``BoundaryMethod`` entry: the config check, the start-up identity, the wire's size
+    model, the planner's added weights and the recipes' byte table know it (its model is
+    ``build_model_config``'s business: unknown there, it builds the dense model)."""
+    toy = BoundaryMethod(width=lambda dim, k: dim // 2, width_key="w",
+                         receiver_weights=lambda dim, k: [(dim, 3)])  # fmt: skip
+    monkeypatch.setitem(BOUNDARIES, "toy_half", toy)  # the one registry entry
+    mode = ["--protocol.mode", "toy_half"]
+    config = tiny(*mode)
+    assert "mode=toy_half" in protocol_identity(config)
+    with pytest.raises(ConfigError, match="toy_half"):  # the allowed modes name it
+        tiny("--protocol.mode", "nope")
+    assert plan.message_bytes(config) == (64 * 32 * 4, 64 * 32 * 4)  # [1, 64, 32] fp32
+    assert [plan.boundary_weights(config, s) for s in (0, 1)] == [0, 64 * 3]
+    assert plan._label(config) == "toy_half w=4"
+    b = compare.wire_bytes(TINY, mode)
+    assert b["dense"] / (b["fwd"] + b["bwd"]) == 2
 
 
 def test_a_registered_optimizer_is_an_optimizer_everywhere(toy_optimizer):

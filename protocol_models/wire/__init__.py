@@ -13,17 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol_models.boundary import BOUNDARIES
 from protocol_models.wire.codecs import CODECS, Codec, build_codec
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.meter import WireMeter
 
-EXACT_MODES = ("subspace", "dense")
-"""The boundary methods without a codec: the exact k-coordinate wire and the dense twin."""
-
 
 def modes() -> list[str]:
-    """Every ``[protocol] mode``: the exact ones, then the registered codecs."""
-    return [*EXACT_MODES, *CODECS]
+    """Every ``[protocol] mode``: the boundary methods (``protocol_models.boundary``: the wire
+    carries the stage output as it is), then the registered lossy codecs."""
+    return [*BOUNDARIES, *CODECS]
 
 
 @dataclass
@@ -47,4 +46,4 @@ class Wire:
         )
 
 
-__all__ = ["EXACT_MODES", "Wire", "modes"]
+__all__ = ["Wire", "modes"]

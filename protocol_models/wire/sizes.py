@@ -2,9 +2,10 @@
 
 A message carries one microbatch ``[mb, seq, d]`` across one boundary in one direction:
 
-* ``subspace``: the coordinates ``c`` ``[mb, seq, k]`` in the compute dtype, or (``[codec]
-  bits``) their quantized payload;
-* ``dense``: the stream ``x`` ``[mb, seq, d]`` in the compute dtype;
+* a boundary method (``protocol_models.boundary``): the stage output in the compute dtype,
+  ``BoundaryMethod.width`` features per token (``subspace``: the k coordinates ``c``, or with
+  ``[codec] bits`` their quantized payload; ``dense``: the stream ``x``, d wide; ``resbm``: the
+  bottleneck ``b``, h wide);
 * a lossy codec: its packed payload, ``Codec.payload_bytes`` (equal to the tensors it sends).
 
 The planner, the wire meter's dense reference and the recipes' byte tables all call this.
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from protocol_models.boundary import BOUNDARIES
 from protocol_models.wire.codecs import Codec
 
 
@@ -32,8 +34,8 @@ def message_bytes(
     """Bytes of one ``direction`` (``fwd``/``bwd``) message of a ``shape`` ``[mb, seq, d]``
     boundary in ``dtype`` under ``mode`` (``codec``: the mode's codec, ``wire.codecs.build_codec``;
     in ``subspace`` mode it acts on ``[mb, seq, k]``)."""
-    if mode == "subspace":
-        shape = (*shape[:-1], k)
+    if mode in BOUNDARIES:
+        shape = (*shape[:-1], BOUNDARIES[mode].width(shape[-1], k))
     if codec is not None:
         return codec.payload_bytes(torch.Size(shape), dtype, direction)
     return math.prod(shape) * dtype.itemsize

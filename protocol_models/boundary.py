@@ -1,0 +1,81 @@
+"""The boundary methods: what a non-last pipeline stage's forward returns.
+
+A ``[protocol] mode`` is either a boundary method (an entry of ``BOUNDARIES``: the model decides
+what crosses each boundary, and the wire carries the stage output as it is) or a lossy codec
+(``protocol_models.wire.codecs.CODECS``: the dense model, compressed on the wire). An entry says
+what the rest of the plugin needs to know without building the model: how wide a boundary
+message is (the wire's size model, the planner's kept activations, the GPU check) and which
+weight matrices the method adds at each boundary (the planner's closed-form parameters and
+FLOPs). The models themselves are built by ``protocol_models.model.build_model_config``.
+
+* ``subspace``: the k coordinates ``c`` ``[mb, seq, k]`` of the stream in span(U) (the
+  constrained writers are narrower, which the planner counts itself);
+* ``dense``: the stream ``x`` ``[mb, seq, d]``;
+* ``resbm``: a learned bottleneck ``b`` ``[mb, seq, h]`` with ``h = [protocol] k`` (Residual
+  Bottleneck Models, Aboudib et al., arXiv 2604.11947): an encoder ``d -> h`` ends the last block
+  before each boundary, a decoder ``h -> d`` starts the first block after it.
+
+**Adding a boundary method** is one entry here (``register_boundary``) plus its model in
+``protocol_models.model``; its name becomes a ``[protocol] mode``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Shapes = list[tuple[int, int]]
+"""Weight matrices as ``(fan_in, fan_out)``."""
+
+
+def _no_weights(dim: int, k: int) -> Shapes:
+    return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class BoundaryMethod:
+    """One boundary method: its message width and the weights it adds at each boundary."""
+
+    width: Callable[[int, int], int]
+    """Features per token of a boundary message (either direction): ``width(d, k)``."""
+    width_key: str | None = None
+    """How the method names ``[protocol] k`` in labels (``k``, ``h``); None: it ignores k."""
+    sender_weights: Callable[[int, int], Shapes] = _no_weights
+    """``(d, k) ->`` the matrices it adds to the last block before a boundary."""
+    receiver_weights: Callable[[int, int], Shapes] = _no_weights
+    """``(d, k) ->`` the matrices it adds to the first block after a boundary."""
+    exportable: bool = True
+    """Whether a trained model folds into an ordinary LLaMA (``protocol_models.export``)."""
+
+
+BOUNDARIES: dict[str, BoundaryMethod] = {}
+"""The boundary methods by ``[protocol] mode`` name (filled by ``register_boundary``)."""
+
+
+def register_boundary(name: str, entry: BoundaryMethod) -> None:
+    """Make ``entry`` selectable as ``[protocol] mode = name``."""
+    BOUNDARIES[name] = entry
+
+
+def label(mode: str, k: int) -> str:
+    """``mode`` with its width, as tables print it: ``subspace k=8``, ``resbm h=8``, ``dense``,
+    a codec's name."""
+    key = BOUNDARIES[mode].width_key if mode in BOUNDARIES else None
+    return f"{mode} {key}={k}" if key else mode
+
+
+register_boundary("subspace", BoundaryMethod(width=lambda dim, k: k, width_key="k"))
+register_boundary("dense", BoundaryMethod(width=lambda dim, k: dim))
+register_boundary(
+    "resbm",
+    BoundaryMethod(
+        width=lambda dim, k: k,
+        width_key="h",
+        sender_weights=lambda dim, k: [(dim, k)],
+        receiver_weights=lambda dim, k: [(k, dim)],
+        exportable=False,
+    ),
+)
+
+
+__all__ = ["BOUNDARIES", "BoundaryMethod", "label", "register_boundary"]
