@@ -12,11 +12,12 @@ go through the shared cache ``common.train_cached``):
 * the exact subspace wire at k in {1, 2, 4, 8, 16, 32, 64}, with its k coordinates in full
   precision or quantized to 8, 4 or 2 bits (``[codec] bits``: a bf16 per-token scale, stochastic
   rounding backward; k a multiple of 8 / bits), trained from the fewest bytes up;
-* the lossy baselines of the codec comparison (TopK, quantization, fixed low-rank, SVD);
+* the other arms of the codec comparison: the lossy baselines (TopK, quantization, fixed
+  low-rank, SVD) and the learned ResBM bottleneck;
 * the dense twin, two seeds.
 
 Runs the codec comparison already measured (the same overrides on the same workload: dense,
-subspace k=1, 8 and 32, the lossy baselines) are read from ``results/compare/results.json``
+subspace k=1, 8 and 32, the lossy baselines, ResBM) are read from ``results/compare/results.json``
 rather than trained again.
 
 Seed 1 then trains every arm on the seed-0 frontier (no other arm has both fewer bytes and a
@@ -75,8 +76,8 @@ def study_arms(quick: bool) -> list[dict]:
                 arm("lowrank k=4", "lossy", "lowrank", ["--codec.rank", "4"]),
                 arm("quant int2", "lossy", "quant", ["--codec.bits", "2"])]  # fmt: skip
     grid = [subspace_arm(k, b, 8) for k in KS for b in BITS if b is None or k * b % 8 == 0]
-    lossy = [dict(a, ratio="lossy") for a in ARMS if a["mode"] not in ("dense", "subspace")]
-    return [ARMS[0], *grid, *lossy]
+    others = [dict(a, ratio=a["mode"]) for a in ARMS if a["mode"] not in ("dense", "subspace")]
+    return [ARMS[0], *grid, *others]
 
 
 def highest_ratio_first(arms: list[dict], toml: Path, quick_over: list[str]) -> list[dict]:
@@ -141,11 +142,12 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     tokens = meta["tokens_per_step_boundary"]
     fig, ax = plt.subplots(figsize=(8, 5))
     families = {"subspace full": "C0", "subspace 8-bit": "C1", "subspace 4-bit": "C2",
-                "subspace 2-bit": "C3", "lossy": "0.5"}  # fmt: skip
+                "subspace 2-bit": "C3", "resbm": "C4", "lossy": "0.5"}  # fmt: skip
     for name, e in results.items():
         if name == "dense":
             continue
-        family = "lossy" if e["mode"] != "subspace" else f"subspace {name.split()[-1]}"
+        family = (f"subspace {name.split()[-1]}" if e["mode"] == "subspace"
+                  else e["mode"] if e["mode"] in families else "lossy")  # fmt: skip
         x, y = bytes_per_token(e, tokens), e["gap_vs_dense_pct"]
         ax.scatter(x, y, color=families[family], label=family, zorder=3)
         ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")

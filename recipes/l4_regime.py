@@ -22,7 +22,7 @@ share of a 2B model on L4 GPUs at 80, 200 and 1000 Mbit/s (+ 50 ms).
 
 Arms: dense (the twin), the exact subspace wire (k=8), the quantized subspace arm of the
 frontier with the smallest gap among those sending at most k=8's bytes, and the lossy baseline
-with the smallest gap at >= 32x (``--arms`` overrides both picks).
+(a ``wire.codecs`` codec) with the smallest gap at >= 32x (``--arms`` overrides both picks).
 
 Writes ``results/l4_regime/{results.json,table.md,t_to_target.png}``.
 """
@@ -35,6 +35,7 @@ from pathlib import Path
 
 from protocol_models.config import load_config
 from protocol_models.emulate import emulated_link
+from protocol_models.wire.codecs import CODECS
 from recipes import common
 from recipes.common import (
     REFERENCE,
@@ -63,7 +64,7 @@ def pick_arms(frontier: dict) -> dict[str, list[str]]:
     runs = frontier["runs"]
     arms = {"dense": ["--protocol.mode", "dense"], "subspace k=8 full": []}
     quantized = [n for n, e in runs.items() if e["mode"] == "subspace" and "-bit" in n]
-    lossy = [n for n, e in runs.items() if e["mode"] not in ("dense", "subspace")]
+    lossy = [n for n, e in runs.items() if e["mode"] in CODECS]
     for group in (quantized, lossy):
         at_32x = [n for n in group if runs[n]["ratio"] >= 32]
         if at_32x:
