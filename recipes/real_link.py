@@ -1,8 +1,8 @@
 """The link simulator against a real shaped link: tokens/s of the same pipelined run both ways.
 
-    sudo python recipes/real_link.py            # full run (~20 min on a 2-core CPU; needs root)
-    sudo python recipes/real_link.py --quick    # exercises the whole harness in a few minutes
-    sudo python recipes/real_link.py --sim-only # re-measure the simulator, keep the real runs
+    python recipes/real_link.py            # as root; full run: 17 min on a 2-core CPU
+    python recipes/real_link.py --quick    # exercises the whole harness in a few minutes
+    python recipes/real_link.py --sim-only # re-measure the simulator, keep the real runs (8 min)
 
 The workload is ``configs/debug_cpu.toml`` (d=256, 8 layers, 2 GPipe stages, 4 microbatches of
 2 x 256 tokens, validation off), once per mode (``dense`` and ``subspace`` k=8), at each link
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from recipes import tun_relay
-from recipes.common import REPO, steady_step_time, train
+from recipes.common import REPO, steady_step_time, timing_overrides, train
 from recipes.tun_relay import ADDRESSES, DEVICES, Shape, in_namespace, link_namespaces
 
 TOML = REPO / "configs" / "debug_cpu.toml"
@@ -52,17 +52,7 @@ def setting_key(mbps: float, delay_ms: float) -> str:
 
 def run_overrides(mode: str, steps: int, quick: bool) -> list[str]:
     """The overrides every run of ``mode`` shares (real and simulated)."""
-    return [
-        *(QUICK if quick else []),
-        "--protocol.mode",
-        mode,
-        "--training.steps",
-        str(steps),
-        "--metrics.log_freq",
-        "1",
-        "--validator.enable",
-        "false",
-    ]
+    return [*(QUICK if quick else []), "--protocol.mode", mode, *timing_overrides(steps)]
 
 
 def summarize(records: list[dict]) -> dict:

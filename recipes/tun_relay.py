@@ -1,6 +1,6 @@
 """A real shaped link between two network namespaces: TUN devices and a userspace relay.
 
-    sudo python -m recipes.tun_relay --mbps 10 --delay-ms 25     # until Ctrl-C; prints addresses
+    python -m recipes.tun_relay --mbps 10 --delay-ms 25     # as root, until Ctrl-C
 
 Two namespaces, ``pmlink-a`` and ``pmlink-b``, each hold one TUN device (MTU 1500) with a
 point-to-point address (``10.203.0.1`` <-> ``10.203.0.2``). This process owns both devices: it
