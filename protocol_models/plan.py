@@ -64,12 +64,17 @@ codecs, ResBM's encoder and decoder in the selective recompute. Seconds = FLOPs 
 the rest.
 
 Step time: GPipe runs every microbatch forward through the S stages and S - 1 links, then
-backward. A link is one more server of the pipeline, taking ``8 R m / bandwidth + latency`` per
-microbatch message of ``m`` bytes (the ``R`` data-parallel replicas of a boundary share the link;
-one replica's messages pay the latency one after another, as ``protocol_models.wire.link``
-simulates; sizes and times: ``wire.sizes.message_bytes``, ``wire.link.transfer_seconds``).
-A pass over servers with per-microbatch times ``t_i`` takes ``sum(t_i) + (M - 1) max(t_i)``:
-with no link and equal stages, ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
+backward. A link takes ``transfer_seconds`` per microbatch message of ``m`` bytes: ``8 R w /
+bandwidth + latency`` with ``w`` the message's bytes with their TCP/IP headers (the ``R``
+data-parallel replicas of a boundary share the link; one replica's messages pay the latency one
+after another, as ``protocol_models.wire.link`` simulates; sizes and times:
+``wire.sizes.message_bytes``, ``wire.link``). gloo's transport is receiver-driven: a stage posts
+its next receive only after computing the previous microbatch, and the sender writes only once
+that receive's notice crossed the link, so a link and the stage it feeds serve a microbatch
+together, in ``latency + transfer + the stage's compute`` (``wire.link.rendezvous_period``).
+A pass over servers with per-microbatch times ``t_i`` (stages, and each link with the stage behind
+it) takes ``sum(stage t_i) + links x transfer + (M - 1) max(t_i)``: with no link and equal
+stages, ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
 Step = forward pass + backward pass (1F1B has the same bubble and is predicted alike). FSDP's
 collectives inside a region, the gradient-norm and non-finite-check all-reduces (latency-bound,
 once per step) and the optimizer step are not counted.
@@ -101,7 +106,7 @@ from protocol_models.model import build_model_config
 from protocol_models.optimizers import OPTIMIZERS
 from protocol_models.pipeline import split_stage
 from protocol_models.wire.codecs import build_codec
-from protocol_models.wire.link import transfer_seconds
+from protocol_models.wire.link import rendezvous_period, transfer_seconds
 from protocol_models.wire.sizes import message_bytes as boundary_message_bytes
 
 GIB = 1024**3
@@ -380,14 +385,19 @@ def predict_step(
         return transfer_seconds(replicas * nbytes, bandwidth_bps, latency_ms / 1e3)
 
     def one_pass(stage_seconds: list[float], link: float) -> float:
+        """``stage_seconds`` in the order the pass visits them; a receiving stage and its
+        inbound link serve a microbatch together (``rendezvous_period``)."""
         links = len(stage_seconds) - 1
-        slowest = max(stage_seconds + ([link] if links else []))
+        periods = [
+            rendezvous_period(link, latency_ms / 1e3, receiver) for receiver in stage_seconds[1:]
+        ]
+        slowest = max(stage_seconds + periods)
         return sum(stage_seconds) + links * link + (n_mb - 1) * slowest
 
     fwd_msg, bwd_msg = message_bytes(config)
     fwd = [_compute_seconds(config, p.fwd_flops, mfu) for p in plans]
     bwd = [_compute_seconds(config, p.bwd_flops, mfu) for p in plans]
-    step = one_pass(fwd, link_seconds(fwd_msg)) + one_pass(bwd, link_seconds(bwd_msg))
+    step = one_pass(fwd, link_seconds(fwd_msg)) + one_pass(bwd[::-1], link_seconds(bwd_msg))
     tokens = replicas * config.training.local_batch_size * config.training.seq_len
     return {
         "busiest_compute_s": n_mb * max(f + b for f, b in zip(fwd, bwd, strict=True)),

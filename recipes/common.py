@@ -172,6 +172,19 @@ def validation_curve(dump_folder: Path) -> list[tuple[int, float]]:
     ]
 
 
+def timing_overrides(steps: int) -> list[str]:
+    """Overrides of a run timed by ``steady_step_time``: ``steps`` steps, every step logged,
+    validation off (it would pause training)."""
+    return [
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--validator.enable",
+        "false",
+    ]
+
+
 def steady_step_time(records: list[dict], window: int = 10, skip: int = 1) -> tuple[float, bool]:
     """ProtocolNanoGPT's rule: mean step time over consecutive ``window``-step windows; the first
     three consecutive windows within 1% of each other are steady, their median is the step time.

@@ -24,7 +24,14 @@ import json
 from pathlib import Path
 
 from protocol_models.wire.link import transfer_seconds
-from recipes.common import REPO, steady_step_time, steps_to_reach, train, validation_curve
+from recipes.common import (
+    REPO,
+    steady_step_time,
+    steps_to_reach,
+    timing_overrides,
+    train,
+    validation_curve,
+)
 
 LATENCY_MS = 50.0
 BANDWIDTHS = [None, 1000.0, 200.0, 80.0]  # None: link off (a fast interconnect)
@@ -65,7 +72,9 @@ def link_args(mbps: float | None) -> list[str]:
 def wire_lower_bound(record: dict, stages: int, mbps: float | None) -> float:
     """Seconds per step the busiest inbound wire needs: each rank receives the forward
     messages of the boundary before it and the backward messages of the boundary after it,
-    one message per microbatch, each costing 8*bytes/bandwidth + latency, serialized."""
+    one message per microbatch, each costing ``transfer_seconds`` (the bytes with their TCP/IP
+    headers at the bandwidth, plus one latency), serialized. A bound: the extra latency of a
+    receive posted after its send (``rendezvous_start``) is not always paid, so it is left out."""
     if mbps is None:
         return 0.0
     n_mb = record["n_microbatches"]
@@ -85,18 +94,7 @@ def wire_lower_bound(record: dict, stages: int, mbps: float | None) -> float:
 
 
 def measure(out: Path, name: str, overrides: list[str], steps: int, stages: int, n_mb: int) -> dict:
-    records = train(
-        out / name,
-        [
-            *overrides,
-            "--training.steps",
-            str(steps),
-            "--metrics.log_freq",
-            "1",
-            "--validator.enable",
-            "false",
-        ],
-    )
+    records = train(out / name, [*overrides, *timing_overrides(steps)])
     step_s, steady = steady_step_time(records)
     last = dict(records[-1], n_microbatches=n_mb)
     return {

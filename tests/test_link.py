@@ -9,7 +9,13 @@ import sys
 import pytest
 from conftest import REPO, torchrun
 
-from protocol_models.wire.link import LinkSettings
+from protocol_models.wire.link import (
+    LinkSettings,
+    rendezvous_period,
+    rendezvous_start,
+    tcp_wire_bytes,
+    transfer_seconds,
+)
 
 LATENCY_MS = 50.0
 
@@ -28,7 +34,8 @@ def test_arrivals_follow_the_wire_model(tmp_path, case, width, mbps):
     )  # fmt: skip
     settings = LinkSettings(bandwidth_mbps=mbps, latency_ms=LATENCY_MS)
     message_bytes = 2 * width * 4  # one microbatch: [2, width] fp32
-    expected_transfer = 8 * message_bytes / (mbps * 1e6) + LATENCY_MS / 1e3
+    segments = -(-message_bytes // 1448)  # each with 52 B of TCP/IP headers
+    expected_transfer = 8 * (message_bytes + 52 * segments) / (mbps * 1e6) + LATENCY_MS / 1e3
     for rank in range(3):
         log = json.loads((tmp_path / f"rank{rank}.json").read_text())
         inbound = {0: {"bwd"}, 1: {"fwd", "bwd"}, 2: {"fwd"}}[rank]
@@ -38,13 +45,43 @@ def test_arrivals_follow_the_wire_model(tmp_path, case, width, mbps):
             assert d["nbytes"] == message_bytes
             transfer = settings.transfer_s(d["boundary"], d["nbytes"])
             assert transfer == pytest.approx(expected_transfer)
-            start = max(wire_free, d["sent_at"])
+            start = max(wire_free, d["sent_at"], d["posted_at"] + LATENCY_MS / 1e3)
             wire_free = start + transfer
             assert d["available_at"] == pytest.approx(wire_free, abs=1e-6)
             assert d["ready_at"] >= wire_free - 1e-6, "delivered before the link model allows"
             if d["waited"]:
                 assert d["ready_at"] - wire_free <= 0.1 * transfer, (case, d)
         assert log and sum(d["waited"] for d in log) >= len(log) // 2
+
+
+@pytest.mark.parametrize(
+    ("payload", "on_wire"),
+    [
+        (0, 0),
+        (1, 53),
+        (1448, 1500),
+        (1449, 1553),
+        (16384, 16384 + 12 * 52),
+        (524288, 524288 + 363 * 52),
+    ],
+)
+def test_tcp_wire_bytes_add_one_header_per_segment(payload, on_wire):
+    """1448-byte segments (MTU 1500 less IPv4, TCP and timestamp headers), 52 B of headers each."""
+    assert tcp_wire_bytes(payload) == on_wire
+
+
+def test_transfer_seconds_bills_headers_then_one_latency():
+    assert transfer_seconds(1448, 8e6, 0.025) == pytest.approx(1500 / 1e6 + 0.025)
+    assert transfer_seconds(10**6, float("inf"), 0.025) == 0.025
+
+
+def test_rendezvous_start_waits_for_the_receivers_notice():
+    """Posted early: the message leaves when sent; posted late: one latency after the post."""
+    assert rendezvous_start(sent_at=10.0, posted_at=9.0, latency_s=0.025) == 10.0
+    assert rendezvous_start(sent_at=10.0, posted_at=10.5, latency_s=0.025) == 10.525
+    assert rendezvous_period(transfer_s=0.4, latency_s=0.025, receiver_s=0.1) == pytest.approx(
+        0.525
+    )
 
 
 def test_link_changes_timing_only(tmp_path):

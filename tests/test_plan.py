@@ -171,9 +171,11 @@ def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
     alone = predict_step(config, plans, None, 0.0, mfu=0.5)
     assert alone["step_s"] == pytest.approx((microbatches + stages - 1) * 3 * t)  # GPipe bubble
     linked = predict_step(config, plans, 80.0, 50.0, mfu=0.5)
-    w = 8 * 2 * (32 * 4 * 2) / 80e6 + 0.05  # 2 replicas share the link; 32 tokens x k=4 x bf16
-    fwd = 3 * t + 2 * w + 3 * max(t, w)
-    bwd = 3 * 2 * t + 2 * w + 3 * max(2 * t, w)
+    payload = 2 * (32 * 4 * 2)  # 2 replicas share the link; 32 tokens x k=4 x bf16
+    w = 8 * (payload + 52) / 80e6 + 0.05  # one TCP segment's headers
+    # a link and the stage it feeds serve a microbatch together, after the receiver's notice
+    fwd = 3 * t + 2 * w + 3 * max(t, 0.05 + w + t)
+    bwd = 3 * 2 * t + 2 * w + 3 * max(2 * t, 0.05 + w + 2 * t)
     assert linked["step_s"] == pytest.approx(fwd + bwd)
     assert linked["tokens_per_s"] == pytest.approx(2 * 8 * 16 / (fwd + bwd))
 
