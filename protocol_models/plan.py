@@ -169,10 +169,20 @@ def boundary_weights(config, stage: int) -> int:
     method = BOUNDARIES.get(config.protocol.mode)
     if method is None:
         return 0
-    d, k = config.model.dim, config.protocol.k
-    shapes = method.sender_weights(d, k) if stage < config.layout_stages - 1 else []
-    shapes += method.receiver_weights(d, k) if stage > 0 else []
+    d, protocol = config.model.dim, config.protocol
+    shapes = method.sender_weights(d, protocol) if stage < config.layout_stages - 1 else []
+    shapes += method.receiver_weights(d, protocol) if stage > 0 else []
     return sum(fan_in * fan_out for fan_in, fan_out in shapes)
+
+
+def boundary_lookups(config, stage: int) -> int:
+    """Table parameters the boundary method adds to ``stage`` (MAPL's anchor tables ``P``), one
+    per boundary side the stage holds."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    if method is None:
+        return 0
+    sides = (stage < config.layout_stages - 1) + (stage > 0)
+    return sides * method.lookups(config.model.vocab_size, config.protocol)
 
 
 def boundary_width(config) -> int:
@@ -191,6 +201,7 @@ def stage_params(config, stage: int, n_blocks: int) -> int:
     matmuls = block_matmuls(config, factored and not last)
     block = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
     params = n_blocks * (block + 2 * d) + boundary_weights(config, stage)  # + 2 RMSNorm weights
+    params += boundary_lookups(config, stage)
     if stage == 0:
         params += v * (config.protocol.k if factored else d)
     if last:

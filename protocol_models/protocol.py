@@ -24,6 +24,7 @@ class ProtocolSettings:
 
     mode: str = "subspace"
     """``subspace``: boundaries carry k coordinates; ``dense``: the unconstrained d-wide twin;
+    ``resbm``/``mapl``: a learned boundary (``protocol_models.boundary``);
     a codec's name (``topk``, ``quant``, ``lowrank``, ``svd``, ...: ``wire.codecs.CODECS``): the
     dense twin with that lossy boundary codec (parameters in ``[codec]``)."""
     k: int = 8
@@ -43,6 +44,12 @@ class ProtocolSettings:
     """Largest principal angle between U and U' at each update (a normalized geodesic step)."""
     parametrization: Parametrization = "factor"
     """Set from ``[optimizer] name`` (not a TOML key): ``full`` for adamw_rowwise/adamw_project."""
+    anchor_rank: int = 8
+    """``mapl`` mode: m, the inner width of each boundary's anchor embeddings ``P [V, m] Q [m, d]``
+    (``protocol_models.mapl``)."""
+    projection_lr: float = 0.01
+    """``mapl`` mode: the step of the learned projections U on the Stiefel manifold
+    (``optimizers.StiefelMuon``: about the largest rotation, in radians, per step)."""
     layers_per_stage: list[int] | None = None
     """Blocks per pipeline stage, in stage order (default: near-equal, earlier stages take the
     remainder). One entry per stage of the layout, each >= 1, summing to ``model.n_layers``.
@@ -58,6 +65,14 @@ class ProtocolSettings:
             every == 0 or self.mode == "subspace",
             f"protocol.update_every = {every}: subspace updates need protocol.mode = 'subspace' "
             f"(got {self.mode!r})",
+        )
+        require(
+            self.anchor_rank >= 1,
+            f"protocol.anchor_rank = {self.anchor_rank}: must be an integer >= 1",
+        )
+        require(
+            self.projection_lr > 0,
+            f"protocol.projection_lr = {self.projection_lr}: must be > 0",
         )
         require(
             0 < self.update_angle_deg <= 90,

@@ -65,19 +65,40 @@ def test_quantized_coordinates_pipelined_equal_in_graph(tmp_path, seed_checkpoin
         assert r["wire/compression_ratio"] == pytest.approx(64 * 4 / 3)
 
 
-def test_resbm_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
-    """ResBM at h = k = 4 under Muon: two processes sending the bottleneck ``b`` ``[1, 64, 4]``
-    over the wire train exactly as one process with the same boundary in-graph
-    (``protocol.stages = 2``); the wire carries ``b`` and its gradient, nothing else."""
-    resbm = ["--protocol.mode", "resbm", "--optimizer.name", "muon"]
+def _learned_boundary_runs(tmp_path, seed_checkpoint, mode: str) -> list[dict]:
+    """A learned boundary method at width k = 4 under Muon, from one seed checkpoint: the
+    2-process run equals the 1-process run with the boundary in-graph (``protocol.stages = 2``),
+    and its wire carries exactly 4 fp32 values per token each way. Returns the 2-process records."""
+    learned = ["--protocol.mode", mode, "--optimizer.name", "muon"]
     load = ["--checkpoint.enable", "--checkpoint.initial_load_path",
-            str(seed_checkpoint(2, *resbm))]  # fmt: skip
-    single = torchrun(1, tmp_path / "pp1", "--protocol.stages", "2", *load, *resbm)
-    piped = torchrun(2, tmp_path / "pp2", *load, *resbm)
+            str(seed_checkpoint(2, *learned))]  # fmt: skip
+    single = torchrun(1, tmp_path / "pp1", "--protocol.stages", "2", *load, *learned)
+    piped = torchrun(2, tmp_path / "pp2", *load, *learned)
     _assert_same_run(single, piped)
 
-    one = message_bytes("resbm", (1, 64, 64), torch.float32, "fwd", k=4)
-    assert one == 64 * 4 * 4  # per token: h = 4 fp32 values
+    one = message_bytes(mode, (1, 64, 64), torch.float32, "fwd", k=4)
+    assert one == 64 * 4 * 4  # per token: k = 4 fp32 values
     for r in piped:  # tests/tiny.toml: 4 microbatches of [1, 64, 64] per step, one boundary
         assert r["wire/fwd_bytes/b0"] == r["wire/bwd_bytes/b0"] == 4 * one
         assert r["wire/compression_ratio"] == pytest.approx(64 / 4)
+    return piped
+
+
+def test_resbm_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
+    """ResBM at h = 4: two processes sending the bottleneck ``b`` ``[1, 64, 4]`` over the wire
+    train exactly as one process with the same boundary in-graph; the wire carries ``b`` and its
+    gradient, nothing else."""
+    piped = _learned_boundary_runs(tmp_path, seed_checkpoint, "resbm")
+    assert all("wire/sync_bytes" not in r for r in piped)
+
+
+def test_mapl_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
+    """MAPL at r = 4 (U by StiefelMuon): two processes, each with its own copy of the boundary's
+    U, P, Q, summing their gradients by P2P before every step, train exactly as one process
+    holding both copies. The activation wire carries ``c`` ``[1, 64, 4]`` and its gradient; the
+    copies' gradients are metered apart, and U stays orthonormal."""
+    piped = _learned_boundary_runs(tmp_path, seed_checkpoint, "mapl")
+    synced = 4 * (64 * 4 + 8192 * 8 + 8 * 64)  # fp32 U, P, Q (tiny.toml, anchor_rank 8)
+    for r in piped:
+        assert r["wire/sync_bytes"] == 2 * synced  # each side sends its copy's gradients
+        assert r["mapl/orthonormality"] < 1e-5
