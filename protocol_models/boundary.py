@@ -27,10 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from protocol_models.protocol import ProtocolSettings
+
+class ProtocolSettings(Protocol):
+    """What the entries read of the ``[protocol]`` settings (``protocol.ProtocolSettings``)."""
+
+    k: int
+    anchor_rank: int
+
 
 Shapes = list[tuple[int, int]]
 """Weight matrices as ``(fan_in, fan_out)``."""

@@ -14,6 +14,11 @@ boundary's seed and kept identical by summing their gradients before every optim
 (``protocol_models.mapl_sync``). ``U_s`` moves on the Stiefel manifold (``tangent``,
 ``retract``; the optimizer is ``optimizers.StiefelMuon``); the anchor factors are ordinary
 parameters.
+
+With residual vector quantization (``[protocol] rvq_stages`` L > 0, ``protocol_models.wire.rvq``)
+each copy also holds the codebooks ``[L, K, r]`` and their EMA k-means statistics as buffers;
+the sender's copy updates them (``observe`` during the step, ``refresh_codebooks`` before the
+optimizer step) and the receiver's is overwritten with the result (``mapl_sync``).
 """
 
 from __future__ import annotations
@@ -71,6 +76,12 @@ class MaplCodec(Module):
         seed: int
         """Both copies draw U, P, Q from this seed, so they start identical."""
         anchor_std: float = 0.02
+        rvq_stages: int = 0
+        """L: codebooks (0: no quantizer, no buffers)."""
+        rvq_codebook: int = 256
+        """K: codes per codebook."""
+        rvq_decay: float = 0.99
+        """EMA decay of the k-means statistics."""
 
     def __init__(self, config: Config):
         super().__init__()
@@ -78,6 +89,16 @@ class MaplCodec(Module):
         self.projection = nn.Parameter(torch.empty(config.dim, config.rank))
         self.anchor_tokens = nn.Parameter(torch.empty(config.vocab_size, config.anchor_rank))
         self.anchor_mix = nn.Parameter(torch.empty(config.anchor_rank, config.dim))
+        self.rvq_decay = config.rvq_decay
+        books = (config.rvq_stages, config.rvq_codebook)
+        if config.rvq_stages:
+            self.register_buffer("codebooks", torch.empty(*books, config.rank))
+            self.register_buffer("code_counts", torch.empty(*books))
+            self.register_buffer("code_sums", torch.empty(*books, config.rank))
+            self.register_buffer("hits", torch.zeros(*books), persistent=False)
+            self.register_buffer("totals", torch.zeros(*books, config.rank), persistent=False)
+            self.register_buffer("usage", torch.zeros(*books), persistent=False)
+        self.quantized = bool(config.rvq_stages)
 
     @torch.no_grad()
     def _init_self_parameters(self) -> None:
@@ -89,6 +110,42 @@ class MaplCodec(Module):
         _fill(self.projection, retract(torch.randn(d, r, generator=generator)))
         _fill(self.anchor_tokens, torch.randn(v, m, generator=generator))
         _fill(self.anchor_mix, torch.randn(m, d, generator=generator) * self.anchor_std)
+        if self.quantized:  # C_j ~ N(0, 4^-j): each stage quantizes a smaller residual
+            books = torch.randn(self.codebooks.shape, generator=generator)
+            books *= 0.5 ** torch.arange(len(books)).view(-1, 1, 1)
+            self.codebooks.copy_(books)
+            self.code_counts.fill_(1.0)
+            self.code_sums.copy_(books)
+            self.hits.zero_()
+            self.totals.zero_()
+
+    @torch.no_grad()
+    def observe(self, residuals: torch.Tensor, codes: torch.Tensor) -> None:
+        """Sender, per microbatch: add what each code took -- ``residuals`` ``[L, T, r]`` (stage
+        j's input), ``codes`` ``[T, L]`` -- to this step's counts and sums (fp32)."""
+        for j, index in enumerate(codes.reshape(-1, len(self.codebooks)).T):
+            self.hits[j].index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+            self.totals[j].index_add_(0, index, residuals[j])
+
+    @torch.no_grad()
+    def refresh_codebooks(self) -> None:
+        """Sender, once per step: EMA k-means, ``n <- decay n + (1 - decay) hits``,
+        ``s <- decay s + (1 - decay) totals``, ``C <- s / n``; the step's hits become ``usage``
+        and the accumulators restart."""
+        decay = self.rvq_decay
+        self.code_counts.mul_(decay).add_(self.hits, alpha=1 - decay)
+        self.code_sums.mul_(decay).add_(self.totals, alpha=1 - decay)
+        self.codebooks.copy_(self.code_sums / self.code_counts.clamp_min(1e-6).unsqueeze(-1))
+        self.usage.copy_(self.hits)
+        self.hits.zero_()
+        self.totals.zero_()
+
+    def code_perplexity(self) -> torch.Tensor:
+        """``exp(entropy)`` of the last step's code usage, the mean over the L codebooks (a 0-d
+        tensor; K when every code is used equally, 1 when one code takes everything)."""
+        p = self.usage / self.usage.sum(dim=-1, keepdim=True).clamp_min(1.0)
+        entropy = -(p * p.clamp_min(1e-12).log()).sum(dim=-1)
+        return entropy.exp().mean()
 
     def anchor(self, ids: torch.Tensor) -> torch.Tensor:
         """``a(t) = P[t] Q``: ids ``[mb, seq]`` -> ``[mb, seq, d]``."""

@@ -225,8 +225,8 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         if subspace is not None:  # subspace updates on: angle of the latest, count, U's health
             metrics.update(subspace.metrics())
         sync = getattr(self.optimizers, "boundary_sync", None)
-        if sync is not None:  # mapl: the learned projections' health
-            metrics.update({k: float(v) for k, v in sync.metrics().items()})
+        if sync is not None:  # mapl: the learned projections' and the codebooks' health
+            metrics.update(sync.metrics())
         super().log(step, loss, max_loss, grad_norm, extra_metrics=metrics)
 
     def log_validation(self, loss, step, extra_metrics=None):

@@ -483,7 +483,8 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
             codec = MaplCodec.Config(
                 dim=arch.dim, rank=protocol.k, vocab_size=arch.vocab_size,
                 anchor_rank=protocol.anchor_rank, boundary=b, seed=protocol.seed + b,
-                anchor_std=arch.init_std,
+                anchor_std=arch.init_std, rvq_stages=protocol.rvq_stages,
+                rvq_codebook=protocol.rvq_codebook, rvq_decay=protocol.rvq_decay,
             )  # fmt: skip
             layers[sender[-1]].mapl_out = codec
             layers[receiver[0]].mapl_in = codec

@@ -100,7 +100,7 @@ from protocol_models.layout import stage_layer_ranges
 from protocol_models.model import build_model_config
 from protocol_models.optimizers import OPTIMIZERS
 from protocol_models.pipeline import split_stage
-from protocol_models.wire.codecs import build_codec
+from protocol_models.wire import codec_for
 from protocol_models.wire.link import transfer_seconds
 from protocol_models.wire.sizes import message_bytes as boundary_message_bytes
 
@@ -350,7 +350,7 @@ def message_bytes(config) -> tuple[int, int]:
     (``wire.sizes.message_bytes`` at the ``[mb, seq, d]`` boundary in the compute dtype)."""
     arch, protocol = config.model, config.protocol
     act_bytes, _, _ = _microbatching(config)
-    codec = build_codec(protocol.mode, config.codec, arch.dim, protocol.seed)
+    codec = codec_for(config)
     shape = (config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len,
              arch.dim)  # fmt: skip
     dtype = torch.bfloat16 if act_bytes == 2 else torch.float32

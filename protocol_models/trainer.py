@@ -367,7 +367,9 @@ def protocol_identity(config: ProtocolTrainer.Config) -> str:
     )
     identity += f", layers per stage {[len(r) for r in ranges]}"
     if protocol.mode == "mapl":
-        identity += f", anchor_rank={protocol.anchor_rank}"
+        identity += f", anchor_rank={protocol.anchor_rank}, rvq_stages={protocol.rvq_stages}"
+        if protocol.rvq_stages:
+            identity += f", rvq_codebook={protocol.rvq_codebook}, rvq_decay={protocol.rvq_decay}"
     codec = config.codec.identity(protocol.mode)
     if codec:
         identity += f", codec {protocol.mode}({codec})"
@@ -383,7 +385,7 @@ def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, 
     sync = BoundarySync(model_parts, meter=meter)
     if sync.sides and parallel_dims.pp_enabled:
         pp_mesh = parallel_dims.get_mesh("pp")
-        sync.group, sync.stage = pp_mesh.get_group(), pp_mesh.get_local_rank()
+        sync.use_group(pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size())
     optimizers.boundary_sync = sync if sync.sides else None
     if protocol.update_every > 0 and model_parts[0].subspace:
         optimizers.subspace = SubspaceTracker(

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from protocol_models.config import load_config
-from protocol_models.wire.codecs import build_codec
+from protocol_models.wire import codec_for
 from protocol_models.wire.sizes import message_bytes
 from recipes import common
 from recipes.common import (
@@ -73,7 +73,8 @@ def overrides(a: dict, seed: int) -> list[str]:
 
 ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x (then svd, TopK straight-through and
     # the learned ResBM bottleneck, added later: 32x with both seeds, 256x, 8x; then MAPL's learned
-    # projection with anchors: 32x with both seeds, 8x)
+    # projection with anchors: 32x with both seeds, 8x, and with residual vector quantization of
+    # the 2 coordinates, 1 byte of indices per token forward: 228x, in the 256x group)
     arm("dense", "1x", "dense", [], (0, 1)),
     arm("subspace k=8", "32x", "subspace", [], (0, 1)),
     arm("lowrank k=8", "32x", "lowrank", ["--codec.rank", "8"], (0, 1)),
@@ -95,6 +96,8 @@ ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x (then svd, TopK str
     arm("resbm h=32", "8x", "resbm", ["--protocol.k", "32"]),
     arm("mapl r=8", "32x", "mapl", ["--protocol.k", "8"], (0, 1)),
     arm("mapl r=32", "8x", "mapl", ["--protocol.k", "32"]),
+    arm("mapl r=2 rvq 2x16", "256x", "mapl",
+        ["--protocol.k", "2", "--protocol.rvq_stages", "2", "--protocol.rvq_codebook", "16"]),
 ]  # fmt: skip
 
 QUICK_ARMS = [
@@ -117,7 +120,7 @@ def wire_bytes(toml: Path, over: list[str]) -> dict:
     arch, protocol, par = config.model, config.protocol, config.parallelism
     shape = (par.pipeline_parallel_microbatch_size, config.training.seq_len, arch.dim)
     messages = (config.training.local_batch_size // shape[0]) * (config.layout_stages - 1)
-    codec = build_codec(protocol.mode, config.codec, arch.dim, protocol.seed)
+    codec = codec_for(config)
 
     def size(direction: str, mode: str = protocol.mode) -> int:
         exact = mode != protocol.mode
