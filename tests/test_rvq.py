@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY, config_error
+from conftest import PLAN_LAYOUT, TINY, config_error
 
+from protocol_models import plan
 from protocol_models.config import load_config
 from protocol_models.mapl import MaplCodec
 from protocol_models.mapl_sync import BoundarySync
@@ -135,6 +136,9 @@ def test_the_run_builds_the_quantizer_from_protocol_keys():
     plain = load_config(str(TINY), rvq[:2], check_environment=False)
     assert codec_for(plain) is None
     assert protocol_identity(config) != protocol_identity(plain)
+    planned = load_config(None, [*PLAN_LAYOUT, *rvq], check_environment=False)
+    # [2, 16] bf16 microbatches, r = 4: 2 x 4-bit indices forward, 4 bf16 values backward
+    assert plan.message_bytes(planned) == (2 * 16 * 1, 2 * 16 * 4 * 2)
 
 
 @pytest.mark.parametrize(
