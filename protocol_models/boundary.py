@@ -13,7 +13,11 @@ FLOPs). The models themselves are built by ``protocol_models.model.build_model_c
 * ``dense``: the stream ``x`` ``[mb, seq, d]``;
 * ``resbm``: a learned bottleneck ``b`` ``[mb, seq, h]`` with ``h = [protocol] k`` (Residual
   Bottleneck Models, Aboudib et al., arXiv 2604.11947): an encoder ``d -> h`` ends the last block
-  before each boundary, a decoder ``h -> d`` starts the first block after it.
+  before each boundary, a decoder ``h -> d`` starts the first block after it;
+* ``mapl``: the coordinates ``c = (x - P[t] Q) U`` ``[mb, seq, r]``, ``r = [protocol] k`` (MAPL,
+  Janson et al., arXiv 2606.05484): each side holds its copy of the projection ``U`` ``[d, r]``,
+  the anchor mixing ``Q`` ``[m, d]`` and the anchor table ``P`` ``[V, m]`` (a lookup),
+  ``m = [protocol] anchor_rank``.
 
 **Adding a boundary method** is one entry here (``register_boundary``) plus its model in
 ``protocol_models.model``; its name becomes a ``[protocol] mode``.
@@ -23,13 +27,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class ProtocolSettings(Protocol):
+    """What the entries read of the ``[protocol]`` settings (``protocol.ProtocolSettings``)."""
+
+    k: int
+    anchor_rank: int
+
 
 Shapes = list[tuple[int, int]]
 """Weight matrices as ``(fan_in, fan_out)``."""
 
 
-def _no_weights(dim: int, k: int) -> Shapes:
+def _no_weights(dim: int, protocol: ProtocolSettings) -> Shapes:
     return []
+
+
+def _no_lookups(vocab: int, protocol: ProtocolSettings) -> int:
+    return 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,10 +57,13 @@ class BoundaryMethod:
     """Features per token of a boundary message (either direction): ``width(d, k)``."""
     width_key: str | None = None
     """How the method names ``[protocol] k`` in labels (``k``, ``h``); None: it ignores k."""
-    sender_weights: Callable[[int, int], Shapes] = _no_weights
-    """``(d, k) ->`` the matrices it adds to the last block before a boundary."""
-    receiver_weights: Callable[[int, int], Shapes] = _no_weights
-    """``(d, k) ->`` the matrices it adds to the first block after a boundary."""
+    sender_weights: Callable[[int, ProtocolSettings], Shapes] = _no_weights
+    """``(d, protocol) ->`` the matrices it adds to the last block before a boundary."""
+    receiver_weights: Callable[[int, ProtocolSettings], Shapes] = _no_weights
+    """``(d, protocol) ->`` the matrices it adds to the first block after a boundary."""
+    lookups: Callable[[int, ProtocolSettings], int] = _no_lookups
+    """``(V, protocol) ->`` table parameters (read by token id, no FLOPs) it adds on each side
+    of a boundary."""
     exportable: bool = True
     """Whether a trained model folds into an ordinary LLaMA (``protocol_models.export``)."""
 
@@ -71,8 +91,26 @@ register_boundary(
     BoundaryMethod(
         width=lambda dim, k: k,
         width_key="h",
-        sender_weights=lambda dim, k: [(dim, k)],
-        receiver_weights=lambda dim, k: [(k, dim)],
+        sender_weights=lambda dim, protocol: [(dim, protocol.k)],
+        receiver_weights=lambda dim, protocol: [(protocol.k, dim)],
+        exportable=False,
+    ),
+)
+
+
+def _mapl_weights(dim: int, protocol: ProtocolSettings) -> Shapes:
+    """One side's projection ``U`` ``[d, r]`` and anchor mixing ``Q`` ``[m, d]``."""
+    return [(dim, protocol.k), (protocol.anchor_rank, dim)]
+
+
+register_boundary(
+    "mapl",
+    BoundaryMethod(
+        width=lambda dim, k: k,
+        width_key="r",
+        sender_weights=_mapl_weights,
+        receiver_weights=_mapl_weights,
+        lookups=lambda vocab, protocol: vocab * protocol.anchor_rank,
         exportable=False,
     ),
 )

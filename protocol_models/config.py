@@ -121,7 +121,10 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
         else:
             assign(config, {key: value}, "", also_allowed=_TOP_LEVEL_SPECIAL)
     rerun_post_init(optimizer, "optimizer")
-    config.optimizer = optimizer.to_container_config()
+    learned = config.protocol.mode == "mapl" and config.layout_stages > 1
+    config.optimizer = optimizer.to_container_config(
+        config.protocol.projection_lr if learned else None
+    )
     config.protocol.parametrization = optimizer.parametrization
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
     rerun_post_init(config, "")

@@ -224,6 +224,9 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         subspace = getattr(self.optimizers, "subspace", None)
         if subspace is not None:  # subspace updates on: angle of the latest, count, U's health
             metrics.update(subspace.metrics())
+        sync = getattr(self.optimizers, "boundary_sync", None)
+        if sync is not None:  # mapl: the learned projections' and the codebooks' health
+            metrics.update(sync.metrics())
         super().log(step, loss, max_loss, grad_norm, extra_metrics=metrics)
 
     def log_validation(self, loss, step, extra_metrics=None):
@@ -254,7 +257,8 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         device = get_local_device()
         n_stages = self.parallel_dims.pp
         boundaries = range(n_stages - 1)
-        counts = [[float(c[b]) for b in boundaries] for c in (meter.fwd, meter.bwd, meter.dense)]
+        meters = (meter.fwd, meter.bwd, meter.dense, meter.sync)
+        counts = [[float(c[b]) for b in boundaries] for c in meters]
         waits = [link.wait_s, link.wire_s] if link is not None else [0.0, 0.0]
         sums = torch.tensor([value for row in counts for value in row] + waits,
                             dtype=torch.float64, device=device)  # fmt: skip
@@ -269,7 +273,7 @@ class ProtocolMetricsProcessor(MetricsProcessor):
 
         sums, maxima = sums.tolist(), maxima.tolist()
         width = len(boundaries)
-        fwd_b, bwd_b, dense_b = (sums[i * width : (i + 1) * width] for i in range(3))
+        fwd_b, bwd_b, dense_b, sync_b = (sums[i * width : (i + 1) * width] for i in range(4))
         fwd, bwd, dense = sum(fwd_b), sum(bwd_b), sum(dense_b)
         metrics = {
             "wire/fwd_bytes": fwd,
@@ -282,6 +286,8 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             metrics[f"wire/bwd_bytes/b{b}"] = bwd_b[b]
             sent = fwd_b[b] + bwd_b[b]
             metrics[f"wire/compression_ratio/b{b}"] = dense_b[b] / sent if sent else 0.0
+        if any(sync_b):
+            metrics["wire/sync_bytes"] = sum(sync_b)
         if maxima[0] >= 0:
             metrics["subspace/leak"] = maxima[0]
         for s, value in enumerate(maxima[1:]):

@@ -29,6 +29,11 @@ boundary ends with an encoder in its MLP branch and returns ``b = enc(silu(ffn))
 ``[mb, seq, h]`` (the stage output, what crosses); the first block after it feeds
 ``relu(dec(b))`` ``[mb, seq, d]`` to its attention and restarts the stream from ``b``
 zero-padded to ``d`` (``ProtocolBlock.forward``).
+
+``mapl`` mode (MAPL, Janson et al., arXiv 2606.05484) builds the dense model with a
+``mapl.MaplCodec`` on each side of every boundary: the last block before it returns
+``c = (x - P[t] Q) U`` ``[mb, seq, r]`` (``r = k``), the first block after it rebuilds
+``x_hat = c U^T + P[t] Q`` ``[mb, seq, d]`` before its attention.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from protocol_models.boundary import label
 from protocol_models.errors import UserError, require
 from protocol_models.layout import stage_layer_ranges
 from protocol_models.loss import chunked_cross_entropy
+from protocol_models.mapl import MaplCodec
 
 if TYPE_CHECKING:
     from protocol_models.protocol import ProtocolSettings
@@ -130,6 +136,10 @@ class ProtocolBlock(Llama3TransformerBlock):
     boundary) the block returns the bottleneck ``b`` ``[mb, seq, h]``; with a ``decoder``
     (``[d, h]``, the first block after one) it takes ``b`` as its input. A block alone on a
     middle stage has both.
+
+    MAPL (``mapl`` mode): with ``mapl_out`` the block returns the coordinates ``c``
+    ``[mb, seq, r]`` of its output; with ``mapl_in`` it takes ``c`` and rebuilds its input
+    ``[mb, seq, d]`` (both need the token ids).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -140,6 +150,10 @@ class ProtocolBlock(Llama3TransformerBlock):
         """ResBM sender: ``d -> h``, after the SiLU of the MLP branch."""
         decoder: Linear.Config | None = None
         """ResBM receiver: ``h -> d``, then ReLU, the attention branch's input."""
+        mapl_out: MaplCodec.Config | None = None
+        """MAPL sender: the block's output is encoded to r coordinates."""
+        mapl_in: MaplCodec.Config | None = None
+        """MAPL receiver: the block's input is rebuilt from r coordinates."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -147,6 +161,8 @@ class ProtocolBlock(Llama3TransformerBlock):
         self.factored = config.factored
         self.encoder = config.encoder.build() if config.encoder is not None else None
         self.decoder = config.decoder.build() if config.decoder is not None else None
+        self.mapl_out = config.mapl_out.build() if config.mapl_out is not None else None
+        self.mapl_in = config.mapl_in.build() if config.mapl_in is not None else None
 
     def writers(self) -> list[nn.Parameter]:
         """The two weights that write into the residual stream (``[out, in]``)."""
@@ -158,9 +174,14 @@ class ProtocolBlock(Llama3TransformerBlock):
         attention_masks,
         positions: torch.Tensor | None = None,
         basis: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x`` ``[mb, seq, d]`` (with a decoder: ``b`` ``[mb, seq, h]``) -> the stream
-        ``[mb, seq, d]`` (with an encoder: ``b`` ``[mb, seq, h]``)."""
+        """``x`` ``[mb, seq, d]`` (with a decoder: ``b`` ``[mb, seq, h]``; with ``mapl_in``:
+        ``c`` ``[mb, seq, r]``) -> the stream ``[mb, seq, d]`` (with an encoder: ``b``
+        ``[mb, seq, h]``; with ``mapl_out``: ``c`` ``[mb, seq, r]``). ``token_ids``
+        ``[mb, seq]``: MAPL's anchors."""
+        if self.mapl_in is not None:
+            x = self.mapl_in.decode(x, token_ids)
         stream, branch_in = x, x
         if self.decoder is not None:
             branch_in = torch.relu(self.decoder(x))
@@ -174,6 +195,8 @@ class ProtocolBlock(Llama3TransformerBlock):
             return self.encoder(nn.functional.silu(ffn)) + h[..., : self.encoder.out_features]
         if self.factored:
             ffn = ffn @ basis.to(ffn.dtype).T
+        if self.mapl_out is not None:
+            return self.mapl_out.encode(h + ffn, token_ids)
         return h + ffn
 
 
@@ -186,13 +209,14 @@ class ProtocolModel(Llama3Model):
     requires grad so that autograd accumulates ``dL/dU`` through the lifts and the embedding
     (the codec uses a detached ``U``: its contributions cancel while the invariant holds).
     A non-last stage returns ``c`` ``[mb, seq, k]`` (subspace), ``x`` ``[mb, seq, d]`` (dense)
-    or ``b`` ``[mb, seq, h]`` (resbm: its last block's output, ``ProtocolBlock``);
+    ``b`` ``[mb, seq, h]`` (resbm) or ``c`` ``[mb, seq, r]`` (mapl; both: its last block's
+    output, ``ProtocolBlock``);
     a non-first stage takes that tensor as its positional input and the token ids as a kwarg.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3Model.Config):
-        mode: Literal["subspace", "dense", "resbm"] = "subspace"
+        mode: Literal["subspace", "dense", "resbm", "mapl"] = "subspace"
         k: int = 8
         subspace_seed: int = 1234
         table_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -281,7 +305,7 @@ class ProtocolModel(Llama3Model):
         h = self._stream_in(inputs, ids)
         basis = self.basis if self.factored else None
         for layer in self.layers.values():
-            h = layer(h, attention_masks, positions, basis=basis)
+            h = layer(h, attention_masks, positions, basis=basis, token_ids=ids)
         if self.norm is None:
             return self._stream_out(h, ids)
         if self.config.loss_chunk_tokens:
@@ -394,10 +418,14 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
     upstream of a boundary, so nothing is constrained (use ``protocol.stages`` to build an
     S-stage model in one process). ``resbm`` builds the dense model with an encoder ``[h, d]``
     on the last block of every stage but the last and a decoder ``[d, h]`` on the first block
-    of every stage but the first (``h = protocol.k``). Every other mode builds the dense model.
+    of every stage but the first (``h = protocol.k``). ``mapl`` builds the dense model with a
+    ``MaplCodec`` (``r = protocol.k``, ``m = protocol.anchor_rank``, seed ``protocol.seed + b``
+    at boundary ``b``) as ``mapl_out`` of those last blocks and ``mapl_in`` of those first ones.
+    Every other mode builds the dense model.
     """
     subspace_mode = protocol.mode == "subspace" and n_stages > 1
     bottleneck = protocol.mode == "resbm" and n_stages > 1
+    mapl = protocol.mode == "mapl" and n_stages > 1
     factored = subspace_mode and protocol.parametrization == "factor"
     ranges = stage_layer_ranges(arch.n_layers, n_stages, protocol.layers_per_stage)
     last_stage = ranges[-1]
@@ -450,12 +478,22 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
                 out_features=arch.dim,
                 param_init=_trunc_normal(arch.init_std),
             )
+    if mapl:
+        for b, (sender, receiver) in enumerate(zip(ranges[:-1], ranges[1:], strict=True)):
+            codec = MaplCodec.Config(
+                dim=arch.dim, rank=protocol.k, vocab_size=arch.vocab_size,
+                anchor_rank=protocol.anchor_rank, boundary=b, seed=protocol.seed + b,
+                anchor_std=arch.init_std, rvq_stages=protocol.rvq_stages,
+                rvq_codebook=protocol.rvq_codebook, rvq_decay=protocol.rvq_decay,
+            )  # fmt: skip
+            layers[sender[-1]].mapl_out = codec
+            layers[receiver[0]].mapl_in = codec
     embed_dim = protocol.k if factored else arch.dim
     return ProtocolModel.Config(
         dim=arch.dim,
         vocab_size=arch.vocab_size,
         loss_chunk_tokens=arch.loss_chunk_tokens,
-        mode="subspace" if subspace_mode else "resbm" if bottleneck else "dense",
+        mode="subspace" if subspace_mode else protocol.mode if bottleneck or mapl else "dense",
         layers_per_stage=protocol.layers_per_stage,
         k=protocol.k,
         subspace_seed=protocol.seed,

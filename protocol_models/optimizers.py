@@ -18,6 +18,9 @@ Each keeps every boundary exact; the dense twin of each runs the same rule on th
 * ``adamw_project`` (full-width writers, variant B): stock AdamW, then
   ``W <- U U^T W`` and ``E <- E U U^T`` after every step. Dense twin: AdamW.
 
+Whatever the ``[optimizer] name``, ``mapl`` mode trains its learned projections U
+(``PROJECTIONS``) with ``StiefelMuon``, a Riemannian Muon step on the Stiefel manifold.
+
 **Adding an optimizer** is one ``torch.optim.Optimizer`` class plus one ``OptimizerEntry`` in
 ``OPTIMIZERS`` (``register_optimizer``): its factory, the parametrization it trains, whether it
 needs whole matrices, the state keys subspace updates re-express, its state bytes per parameter
@@ -41,12 +44,16 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import get_local_device
 
 from protocol_models.errors import NonFiniteError, require
+from protocol_models.mapl import retract, tangent
 from protocol_models.model import local_matrix, project_
 from protocol_models.protocol import Parametrization
 
 BLOCK_MATRICES = r"^layers\.\d+\.(attention|feed_forward|encoder|decoder)\."
 """Parameter names Muon trains: every projection inside a block, ResBM's boundary encoder and
 decoder included (norms are ``*_norm``)."""
+
+PROJECTIONS = r"\.mapl_(out|in)\.projection$"
+"""MAPL's learned projections U ``[d, r]``, trained by ``StiefelMuon``."""
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -95,6 +102,32 @@ class Muon(torch.optim.Optimizer):
                 scale = max(1.0, weight.shape[0] / weight[0].numel()) ** 0.5
                 weight.mul_(1 - lr * wd)
                 weight.add_(ortho.view_as(weight).to(weight.dtype), alpha=-lr * scale)
+        return None
+
+
+class StiefelMuon(torch.optim.Optimizer):
+    """Muon on the Stiefel manifold for orthonormal ``U`` ``[d, r]``: with the Riemannian
+    gradient ``xi = G - U sym(U^T G)``, momentum ``m <- proj_U(mu m + xi)`` (transported by
+    projection), the step ``U <- retract(U - lr proj_U(NS(m)))``: the steepest descent direction
+    under the spectral norm (Newton-Schulz's polar factor), projected back to the tangent space,
+    then the QR retraction. Deterministic: two copies with equal ``U``, state and gradients stay
+    equal. Whole matrices only."""
+
+    def __init__(self, params, lr=0.01, momentum=0.95, ns_steps=5, **_implementation_flags):
+        super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or group["lr"] == 0:
+                    continue
+                weight = local_matrix(p)
+                u, grad = weight.float(), local_matrix(p.grad).float()
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(u))
+                buf.copy_(tangent(u, buf.mul_(group["momentum"]).add_(tangent(u, grad))))
+                direction = tangent(u, newton_schulz(buf, group["ns_steps"]))
+                weight.copy_(retract(u - group["lr"] * direction).to(weight.dtype))
         return None
 
 
@@ -290,6 +323,9 @@ class GuardedOptimizers(OptimizersContainer):
     """The ``grassmann.SubspaceTracker`` when subspace updates are on (given by the model
     spec's ``post_optimizer_build_fn``): told about every applied (or skipped) step, right after
     the parameter update; the metrics processor logs its figures."""
+    boundary_sync = None
+    """The ``mapl_sync.BoundarySync`` in ``mapl`` mode: it sums the two copies' gradients of
+    every boundary before each step (before the finiteness check), so both copies step alike."""
 
     def __init__(self, config: Config, *, model_parts):
         super().__init__(config, model_parts=model_parts)
@@ -298,12 +334,16 @@ class GuardedOptimizers(OptimizersContainer):
 
     @staticmethod
     def _resolve_optimizer_factory(name: str):
+        if name == StiefelMuon.__name__:
+            return StiefelMuon
         for entry in OPTIMIZERS.values():
             if name in entry.factories():
                 return entry.factories()[name]
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def step(self, closure=None):
+        if self.boundary_sync is not None:
+            self.boundary_sync.sum_gradients()
         if self._gradients_finite():
             super().step(closure)
             if self.subspace is not None:
@@ -382,7 +422,9 @@ class OptimizerSettings:
 
         return "foreach" if DEVICE_TYPE == "cpu" else "fused"
 
-    def to_container_config(self) -> GuardedOptimizers.Config:
+    def to_container_config(self, projection_lr: float | None = None) -> GuardedOptimizers.Config:
+        """TorchTitan's container config; ``projection_lr``: MAPL's projections (``PROJECTIONS``)
+        are a ``StiefelMuon`` group with that step and ``muon_momentum``."""
         kwargs = {
             "lr": self.lr,
             "betas": tuple(self.betas),
@@ -402,6 +444,10 @@ class OptimizerSettings:
                     optimizer_kwargs=muon,
                 ),
             )  # fmt: skip
+        if projection_lr is not None:
+            stiefel = {"lr": projection_lr, "momentum": self.muon_momentum}
+            groups.insert(0, ParamGroupConfig(pattern=PROJECTIONS, optimizer_name="StiefelMuon",
+                                              optimizer_kwargs=stiefel))  # fmt: skip
         return GuardedOptimizers.Config(
             param_groups=groups,
             implementation=self._resolved_implementation(),

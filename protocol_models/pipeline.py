@@ -71,6 +71,10 @@ def pipeline_protocol(
     pp_mesh = parallel_dims.get_mesh("pp")
     n_stages, stage_index = pp_mesh.size(), pp_mesh.get_local_rank()
     chunk = split_stage(model, stage_index, n_stages)
+    if wire.codec is not None:  # a codec whose state lives in the boundary blocks (MAPL's RVQ)
+        blocks = list(chunk.layers.values())
+        last, first = stage_index == n_stages - 1, stage_index == 0
+        wire.codec.attach(None if last else blocks[-1], None if first else blocks[0])
     chunk = parallelize_fn(
         chunk,
         parallel_dims=parallel_dims,

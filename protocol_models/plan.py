@@ -105,7 +105,7 @@ from protocol_models.layout import stage_layer_ranges
 from protocol_models.model import build_model_config
 from protocol_models.optimizers import OPTIMIZERS
 from protocol_models.pipeline import split_stage
-from protocol_models.wire.codecs import build_codec
+from protocol_models.wire import codec_for
 from protocol_models.wire.link import rendezvous_period, transfer_seconds
 from protocol_models.wire.sizes import message_bytes as boundary_message_bytes
 
@@ -174,10 +174,20 @@ def boundary_weights(config, stage: int) -> int:
     method = BOUNDARIES.get(config.protocol.mode)
     if method is None:
         return 0
-    d, k = config.model.dim, config.protocol.k
-    shapes = method.sender_weights(d, k) if stage < config.layout_stages - 1 else []
-    shapes += method.receiver_weights(d, k) if stage > 0 else []
+    d, protocol = config.model.dim, config.protocol
+    shapes = method.sender_weights(d, protocol) if stage < config.layout_stages - 1 else []
+    shapes += method.receiver_weights(d, protocol) if stage > 0 else []
     return sum(fan_in * fan_out for fan_in, fan_out in shapes)
+
+
+def boundary_lookups(config, stage: int) -> int:
+    """Table parameters the boundary method adds to ``stage`` (MAPL's anchor tables ``P``), one
+    per boundary side the stage holds."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    if method is None:
+        return 0
+    sides = (stage < config.layout_stages - 1) + (stage > 0)
+    return sides * method.lookups(config.model.vocab_size, config.protocol)
 
 
 def boundary_width(config) -> int:
@@ -196,6 +206,7 @@ def stage_params(config, stage: int, n_blocks: int) -> int:
     matmuls = block_matmuls(config, factored and not last)
     block = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
     params = n_blocks * (block + 2 * d) + boundary_weights(config, stage)  # + 2 RMSNorm weights
+    params += boundary_lookups(config, stage)
     if stage == 0:
         params += v * (config.protocol.k if factored else d)
     if last:
@@ -344,7 +355,7 @@ def message_bytes(config) -> tuple[int, int]:
     (``wire.sizes.message_bytes`` at the ``[mb, seq, d]`` boundary in the compute dtype)."""
     arch, protocol = config.model, config.protocol
     act_bytes, _, _ = _microbatching(config)
-    codec = build_codec(protocol.mode, config.codec, arch.dim, protocol.seed)
+    codec = codec_for(config)
     shape = (config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len,
              arch.dim)  # fmt: skip
     dtype = torch.bfloat16 if act_bytes == 2 else torch.float32

@@ -7,11 +7,13 @@ wire (``protocol_models.wire``) the mode's codec.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from protocol_models.errors import require
 from protocol_models.wire import modes
+from protocol_models.wire.rvq import CODEBOOK_SIZES
 
 Parametrization = Literal["factor", "full"]
 """How the constrained writers are stored (``protocol_models.model``): ``factor`` (W = U A) or
@@ -24,6 +26,7 @@ class ProtocolSettings:
 
     mode: str = "subspace"
     """``subspace``: boundaries carry k coordinates; ``dense``: the unconstrained d-wide twin;
+    ``resbm``/``mapl``: a learned boundary (``protocol_models.boundary``);
     a codec's name (``topk``, ``quant``, ``lowrank``, ``svd``, ...: ``wire.codecs.CODECS``): the
     dense twin with that lossy boundary codec (parameters in ``[codec]``)."""
     k: int = 8
@@ -43,6 +46,19 @@ class ProtocolSettings:
     """Largest principal angle between U and U' at each update (a normalized geodesic step)."""
     parametrization: Parametrization = "factor"
     """Set from ``[optimizer] name`` (not a TOML key): ``full`` for adamw_rowwise/adamw_project."""
+    anchor_rank: int = 8
+    """``mapl`` mode: m, the inner width of each boundary's anchor embeddings ``P [V, m] Q [m, d]``
+    (``protocol_models.mapl``)."""
+    projection_lr: float = 0.01
+    """``mapl`` mode: the step of the learned projections U on the Stiefel manifold
+    (``optimizers.StiefelMuon``: about the largest rotation, in radians, per step)."""
+    rvq_stages: int = 0
+    """``mapl`` mode: L, residual vector quantizer stages on the coordinates (0: the wire carries
+    ``c`` in the compute dtype; see ``protocol_models.wire.rvq``)."""
+    rvq_codebook: int = 256
+    """``mapl`` with RVQ: K, codes per codebook (4, 16 or 256: 2, 4 or 8 bits per index)."""
+    rvq_decay: float = 0.99
+    """``mapl`` with RVQ: the EMA decay of the codebooks' k-means statistics."""
     layers_per_stage: list[int] | None = None
     """Blocks per pipeline stage, in stage order (default: near-equal, earlier stages take the
     remainder). One entry per stage of the layout, each >= 1, summing to ``model.n_layers``.
@@ -60,8 +76,40 @@ class ProtocolSettings:
             f"(got {self.mode!r})",
         )
         require(
+            self.anchor_rank >= 1,
+            f"protocol.anchor_rank = {self.anchor_rank}: must be an integer >= 1",
+        )
+        require(
+            self.projection_lr > 0,
+            f"protocol.projection_lr = {self.projection_lr}: must be > 0",
+        )
+        self._check_rvq()
+        require(
             0 < self.update_angle_deg <= 90,
             f"protocol.update_angle_deg = {self.update_angle_deg}: must be in (0, 90]",
+        )
+
+    def _check_rvq(self) -> None:
+        if not self.rvq_stages:
+            return
+        require(
+            self.mode == "mapl",
+            f"protocol.rvq_stages = {self.rvq_stages}: needs protocol.mode = 'mapl' "
+            f"(got {self.mode!r}); 0 = no quantizer",
+        )
+        k = self.rvq_codebook
+        require(
+            k in CODEBOOK_SIZES, f"protocol.rvq_codebook = {k}: expected one of {CODEBOOK_SIZES}"
+        )
+        per_byte = 8 // int(math.log2(k))
+        require(
+            self.rvq_stages >= 1 and self.rvq_stages % per_byte == 0,
+            f"protocol.rvq_stages = {self.rvq_stages}: must be 0 or a positive multiple of "
+            f"{per_byte} (protocol.rvq_codebook = {k}: {8 // per_byte}-bit indices, bit-packed)",
+        )
+        require(
+            0 <= self.rvq_decay < 1,
+            f"protocol.rvq_decay = {self.rvq_decay}: must be in [0, 1)",
         )
 
 

@@ -38,6 +38,7 @@ from protocol_models.errors import StartupError
 from protocol_models.grassmann import SubspaceTracker
 from protocol_models.layout import stage_layer_ranges
 from protocol_models.loss import ModelLoss
+from protocol_models.mapl_sync import BoundarySync
 from protocol_models.metrics import ProtocolMetricsProcessor
 from protocol_models.model import ModelArch, build_model_spec
 from protocol_models.optimizers import bind_subspace
@@ -151,7 +152,9 @@ class ProtocolTrainer(Trainer):
                 n_stages=config.layout_stages,
                 microbatch=config.parallelism.pipeline_parallel_microbatch_size,
             ),
-            post_optimizer_build_fn=partial(after_optimizers_built, protocol=config.protocol),
+            post_optimizer_build_fn=partial(
+                after_optimizers_built, protocol=config.protocol, meter=self.wire.meter
+            ),
         )
         if config.model.loss_chunk_tokens:
             config.loss = ModelLoss.Config()
@@ -363,17 +366,27 @@ def protocol_identity(config: ProtocolTrainer.Config) -> str:
         config.model.n_layers, config.layout_stages, protocol.layers_per_stage
     )
     identity += f", layers per stage {[len(r) for r in ranges]}"
+    if protocol.mode == "mapl":
+        identity += f", anchor_rank={protocol.anchor_rank}, rvq_stages={protocol.rvq_stages}"
+        if protocol.rvq_stages:
+            identity += f", rvq_codebook={protocol.rvq_codebook}, rvq_decay={protocol.rvq_decay}"
     codec = config.codec.identity(protocol.mode)
     if codec:
         identity += f", codec {protocol.mode}({codec})"
     return identity
 
 
-def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol) -> None:
+def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, meter) -> None:
     """``ModelSpec.post_optimizer_build_fn``: tell the subspace optimizers which weights are
-    constrained and where U is, and (``protocol.update_every`` > 0, subspace mode) give the
-    optimizer container the ``SubspaceTracker`` it runs after every applied step."""
+    constrained and where U is, (``mapl`` mode) give the optimizer container the
+    ``BoundarySync`` of the MAPL copies, metered on ``meter``, and (``protocol.update_every`` >
+    0, subspace mode) the ``SubspaceTracker`` it runs after every applied step."""
     bind_subspace(optimizers, model_parts)
+    sync = BoundarySync(model_parts, meter=meter)
+    if sync.sides and parallel_dims.pp_enabled:
+        pp_mesh = parallel_dims.get_mesh("pp")
+        sync.use_group(pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size())
+    optimizers.boundary_sync = sync if sync.sides else None
     if protocol.update_every > 0 and model_parts[0].subspace:
         optimizers.subspace = SubspaceTracker(
             model_parts,

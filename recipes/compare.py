@@ -9,10 +9,14 @@ Every run trains the reference workload (``configs/reference_cpu.toml``: Shakesp
 8 layers laid out as 4 pipeline stages, 300 steps, validation every 50 steps) in one process with
 ``protocol.stages = 4``: the lossy codecs run in-graph at the 3 stage boundaries
 (``protocol_models.wire.codecs``), the subspace codec is exact, and ResBM's learned bottleneck
-(``[protocol] mode = "resbm"``, h = ``protocol.k``) is part of the model. All runs use the same
-optimizer (``OPTIMIZER``: Muon on every block matrix -- ResBM's encoders and decoders included --
-AdamW elsewhere), so dense is a fair baseline. ``--only ARM ...`` (re)trains the named arms and
-keeps every other run of the existing results.json (arms in neither are left out, as not run).
+(``[protocol] mode = "resbm"``, h = ``protocol.k``) and MAPL's learned projection and anchors
+(``mode = "mapl"``, r = ``protocol.k``) are part of the model. All runs use the same optimizer
+(``OPTIMIZER``: Muon on every block matrix -- ResBM's encoders and decoders included --, AdamW
+elsewhere; MAPL's projections by StiefelMuon), so dense is a fair baseline. The byte table counts
+the activation wire; MAPL's per-step gradient exchange between a boundary's two copies
+(``wire/sync_bytes``, independent of the batch) is not in it. ``--only ARM ...`` (re)trains the
+named arms and keeps every other run of the existing results.json (arms in neither are left out,
+as not run).
 Runs go through ``common.train_cached``, shared with the other studies.
 
 Writes ``results/compare/{results.json,table.md,val_loss.png,error_vs_depth.png}``.
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 
 from protocol_models.config import load_config
-from protocol_models.wire.codecs import build_codec
+from protocol_models.wire import codec_for
 from protocol_models.wire.sizes import message_bytes
 from recipes import common
 from recipes.common import (
@@ -68,7 +72,9 @@ def overrides(a: dict, seed: int) -> list[str]:
 
 
 ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x (then svd, TopK straight-through and
-    # the learned ResBM bottleneck, added later: 32x with both seeds, 256x, 8x)
+    # the learned ResBM bottleneck, added later: 32x with both seeds, 256x, 8x; then MAPL's learned
+    # projection with anchors: 32x with both seeds, 8x, and with residual vector quantization of
+    # the 2 coordinates, 1 byte of indices per token forward: 228x, in the 256x group)
     arm("dense", "1x", "dense", [], (0, 1)),
     arm("subspace k=8", "32x", "subspace", [], (0, 1)),
     arm("lowrank k=8", "32x", "lowrank", ["--codec.rank", "8"], (0, 1)),
@@ -88,6 +94,10 @@ ARMS = [  # in training order: the seed pairs, 32x, 256x, 8x (then svd, TopK str
     arm("resbm h=8", "32x", "resbm", ["--protocol.k", "8"], (0, 1)),
     arm("resbm h=1", "256x", "resbm", ["--protocol.k", "1"]),
     arm("resbm h=32", "8x", "resbm", ["--protocol.k", "32"]),
+    arm("mapl r=8", "32x", "mapl", ["--protocol.k", "8"], (0, 1)),
+    arm("mapl r=32", "8x", "mapl", ["--protocol.k", "32"]),
+    arm("mapl r=2 rvq 2x16", "256x", "mapl",
+        ["--protocol.k", "2", "--protocol.rvq_stages", "2", "--protocol.rvq_codebook", "16"]),
 ]  # fmt: skip
 
 QUICK_ARMS = [
@@ -98,6 +108,7 @@ QUICK_ARMS = [
     arm("quant int2", "16x", "quant", ["--codec.bits", "2"]),
     arm("svd r=2", "16x", "svd", ["--codec.rank", "2"]),
     arm("resbm h=4", "16x", "resbm", []),
+    arm("mapl r=4", "16x", "mapl", []),
 ]
 
 
@@ -109,7 +120,7 @@ def wire_bytes(toml: Path, over: list[str]) -> dict:
     arch, protocol, par = config.model, config.protocol, config.parallelism
     shape = (par.pipeline_parallel_microbatch_size, config.training.seq_len, arch.dim)
     messages = (config.training.local_batch_size // shape[0]) * (config.layout_stages - 1)
-    codec = build_codec(protocol.mode, config.codec, arch.dim, protocol.seed)
+    codec = codec_for(config)
 
     def size(direction: str, mode: str = protocol.mode) -> int:
         exact = mode != protocol.mode

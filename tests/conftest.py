@@ -14,6 +14,28 @@ from protocol_models.metrics import read_jsonl
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "tiny.toml"
 
+PLAN_LAYOUT = [
+    "--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+    "--model.vocab_size", "512", "--model.ffn_hidden_dim", "96", "--protocol.k", "4",
+    "--protocol.layers_per_stage", "[2, 1, 1]", "--optimizer.name", "adamw",
+    "--parallelism.pipeline_parallel_degree", "3", "--parallelism.pipeline_parallel_microbatch_size",
+    "2", "--training.local_batch_size", "8", "--training.seq_len", "16",
+    "--training.mixed_precision_param", "bfloat16",
+]  # fmt: skip
+"""plan.py's tiny layout (3 stages of [2, 1, 1] blocks, d=64, V=512, bf16, 4 microbatches of
+2 x 16 tokens) with k = 4: the learned boundaries' planner tests compare it with its dense twin."""
+
+
+def config_error(*overrides: str) -> str:
+    """The ``ConfigError`` message tiny.toml with ``overrides`` raises (asserted one line)."""
+    from protocol_models.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(str(TINY), list(overrides), check_environment=False)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
 
 @pytest.fixture(scope="session", autouse=True)
 def bundled_data():

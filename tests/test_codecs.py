@@ -78,7 +78,7 @@ def test_quant_is_bit_packed():
     packed, scale = codec.encode(torch.randn(SHAPE))
     assert packed.dtype == torch.uint8 and packed.shape[-1] == D // 4
     codes = torch.randint(0, 4, (5, D), dtype=torch.uint8)
-    assert torch.equal(codec._unpack(codec._pack(codes)), codes)
+    assert torch.equal(codec.unpack(codec.pack(codes)), codes)
 
 
 def _step(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The codec-comparison harness end to end (``recipes/compare.py --quick``: tiny model, 12 steps,
-every codec and ResBM trained in one process with in-graph boundaries, then the error-vs-depth
+every codec, ResBM and MAPL trained in one process with in-graph boundaries, then the error-vs-depth
 diagnostic), and what an ``--only`` pass records."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_compare_quick_writes_well_formed_results(tmp_path):
     results = json.loads((out / "results.json").read_text())
     runs = results["runs"]
     codecs = {"topk K=3", "quant int2", "lowrank k=4", "svd r=2"}
-    assert set(runs) == {"dense", "subspace k=4", "resbm h=4", *codecs}
+    assert set(runs) == {"dense", "subspace k=4", "resbm h=4", "mapl r=4", *codecs}
     assert len(runs["dense"]["seeds"]) == 2
     for name, entry in runs.items():
         for seed in entry["seeds"].values():
@@ -36,6 +36,7 @@ def test_compare_quick_writes_well_formed_results(tmp_path):
         assert (entry["ratio"] == 1) == (name == "dense")
     assert runs["subspace k=4"]["ratio"] == runs["lowrank k=4"]["ratio"] == 16
     assert runs["resbm h=4"]["ratio"] == 16 and runs["resbm h=4"]["mode"] == "resbm"
+    assert runs["mapl r=4"]["ratio"] == 16 and runs["mapl r=4"]["mode"] == "mapl"
     depth = results["error_vs_depth"]
     assert set(depth["codecs"]) == codecs
     assert all(0 < e < 2 for c in depth["codecs"].values() for e in c["rel_error"])

@@ -13,7 +13,8 @@ from conftest import REPO, TINY, torchrun
 from protocol_models.subspace import leak_tolerance
 
 # tests/tiny.toml: local_batch_size 4, microbatch 1, seq_len 64, d 64, k 4
-COORDINATES = {"subspace": 4 * 64 * 4, "dense": 4 * 64 * 64, "resbm": 4 * 64 * 4}
+COORDINATES = {"subspace": 4 * 64 * 4, "dense": 4 * 64 * 64, "resbm": 4 * 64 * 4,
+               "mapl": 4 * 64 * 4}  # fmt: skip
 """Boundary coordinates per step and direction (tokens x width)."""
 
 
@@ -36,11 +37,20 @@ def test_bf16_mixed_precision_wire(tmp_path, mode):
         assert max(r["subspace/leak"] for r in records) > leak_tolerance(torch.float32)
 
 
-def test_collectives_get_training_device_tensors(tmp_path):
+PROBED_RUNS = {
+    "subspace updates": ["--protocol.update_every", "2"],
+    "mapl rvq": ["--protocol.mode", "mapl", "--protocol.rvq_stages", "2",
+                 "--protocol.rvq_codebook", "16"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("run", list(PROBED_RUNS))
+def test_collectives_get_training_device_tensors(tmp_path, run):
     """Every tensor the plugin hands to a collective lives on the training device: the probe
     (tests/collective_probe) moves tensors created without a device to ``meta`` inside the
     plugin's collective call sites and checks each collective's tensors (a short pipelined run
-    with the link simulator, subspace updates and a log every step)."""
+    with the link simulator and a log every step, with subspace updates, or MAPL with RVQ: its
+    gradient and codebook exchange and its health metrics)."""
     log = tmp_path / "probe.log"
     env = {
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
@@ -49,11 +59,12 @@ def test_collectives_get_training_device_tensors(tmp_path):
     }  # fmt: skip
     records = torchrun(
         2, tmp_path / "run", "--training.steps", "4", "--wan.latency_ms", "1",
-        "--protocol.update_every", "2", env=env,
+        *PROBED_RUNS[run], env=env,
     )  # fmt: skip
     assert not log.exists(), log.read_text()
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert records[-1]["subspace/updates"] == 2
+    if run == "subspace updates":
+        assert records[-1]["subspace/updates"] == 2
 
 
 def test_gpu_check_runs_in_cpu_mode():

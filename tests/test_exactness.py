@@ -65,19 +65,46 @@ def test_quantized_coordinates_pipelined_equal_in_graph(tmp_path, seed_checkpoin
         assert r["wire/compression_ratio"] == pytest.approx(64 * 4 / 3)
 
 
-def test_resbm_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
-    """ResBM at h = k = 4 under Muon: two processes sending the bottleneck ``b`` ``[1, 64, 4]``
-    over the wire train exactly as one process with the same boundary in-graph
-    (``protocol.stages = 2``); the wire carries ``b`` and its gradient, nothing else."""
-    resbm = ["--protocol.mode", "resbm", "--optimizer.name", "muon"]
+def _learned_boundary_runs(tmp_path, seed_checkpoint, *learned: str) -> list[dict]:
+    """A learned boundary method (``learned``: its overrides) at width k = 4 under Muon, from one
+    seed checkpoint: the 2-process run equals the 1-process run with the boundary in-graph
+    (``protocol.stages = 2``). Returns the 2-process records."""
+    learned = ("--optimizer.name", "muon", *learned)
     load = ["--checkpoint.enable", "--checkpoint.initial_load_path",
-            str(seed_checkpoint(2, *resbm))]  # fmt: skip
-    single = torchrun(1, tmp_path / "pp1", "--protocol.stages", "2", *load, *resbm)
-    piped = torchrun(2, tmp_path / "pp2", *load, *resbm)
+            str(seed_checkpoint(2, *learned))]  # fmt: skip
+    single = torchrun(1, tmp_path / "pp1", "--protocol.stages", "2", *load, *learned)
+    piped = torchrun(2, tmp_path / "pp2", *load, *learned)
     _assert_same_run(single, piped)
+    return piped
 
+
+def test_resbm_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
+    """ResBM at h = 4: two processes sending the bottleneck ``b`` ``[1, 64, 4]`` over the wire
+    train exactly as one process with the same boundary in-graph; the wire carries ``b`` and its
+    gradient, nothing else."""
+    piped = _learned_boundary_runs(tmp_path, seed_checkpoint, "--protocol.mode", "resbm")
     one = message_bytes("resbm", (1, 64, 64), torch.float32, "fwd", k=4)
     assert one == 64 * 4 * 4  # per token: h = 4 fp32 values
     for r in piped:  # tests/tiny.toml: 4 microbatches of [1, 64, 64] per step, one boundary
         assert r["wire/fwd_bytes/b0"] == r["wire/bwd_bytes/b0"] == 4 * one
         assert r["wire/compression_ratio"] == pytest.approx(64 / 4)
+        assert "wire/sync_bytes" not in r
+
+
+def test_mapl_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
+    """MAPL at r = 4 with 2 residual quantizer stages of 16 codes (U by StiefelMuon): two
+    processes, each with its own copy of the boundary's U, P, Q and codebooks -- summing their
+    gradients and passing the sender's EMA-refreshed codebooks by P2P before every step -- train
+    exactly as one process holding both copies. Forward, the wire carries one byte of packed
+    indices per token; backward, the straight-through gradient ``[1, 64, 4]`` fp32; the copies'
+    synchronization is metered apart; U stays orthonormal and the codes are in use."""
+    rvq = ["--protocol.rvq_stages", "2", "--protocol.rvq_codebook", "16"]
+    piped = _learned_boundary_runs(tmp_path, seed_checkpoint, "--protocol.mode", "mapl", *rvq)
+    fwd, bwd = 64 * 2 * 4 // 8, 64 * 4 * 4  # per microbatch: 2 x 4-bit indices; 4 fp32 values
+    synced = 4 * (64 * 4 + 8192 * 8 + 8 * 64)  # fp32 gradients of U, P, Q (anchor_rank 8)
+    for r in piped:  # tests/tiny.toml: 4 microbatches of [1, 64, 64] per step, one boundary
+        assert (r["wire/fwd_bytes/b0"], r["wire/bwd_bytes/b0"]) == (4 * fwd, 4 * bwd)
+        assert r["wire/compression_ratio"] == pytest.approx(2 * 64 * 64 * 4 / (fwd + bwd))
+        assert r["wire/sync_bytes"] == 2 * synced + 2 * 16 * 4 * 4  # + the sender's codebooks
+        assert r["mapl/orthonormality"] < 1e-5
+        assert 1 < r["mapl/code_perplexity/b0"] <= 16

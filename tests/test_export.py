@@ -229,12 +229,14 @@ def test_bad_input_is_one_line_and_writes_nothing(checkpoint, tmp_path, capsys, 
         assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_a_resbm_checkpoint_is_refused_with_one_line(tmp_path, capsys):
-    """ResBM's encoder and decoder have no place in a LLaMA: one line, nothing written."""
-    _, checkpoint = _synthetic(tmp_path, ["--protocol.mode", "resbm"])
+@pytest.mark.parametrize("mode", ["resbm", "mapl"])
+def test_a_learned_boundary_checkpoint_is_refused_with_one_line(tmp_path, capsys, mode):
+    """ResBM's encoder and decoder, MAPL's projections and anchors have no place in a LLaMA:
+    one line, nothing written."""
+    _, checkpoint = _synthetic(tmp_path, ["--protocol.mode", mode])
     assert export.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]) == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and "error: protocol.mode = 'resbm'" in lines[0], lines
+    assert len(lines) == 1 and f"error: protocol.mode = {mode!r}" in lines[0], lines
     assert not (tmp_path / "hf").exists()
 
 

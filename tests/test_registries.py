@@ -120,7 +120,7 @@ def test_a_registered_boundary_method_is_a_mode_everywhere(monkeypatch):
     model, the planner's added weights and the recipes' byte table know it (its model is
     ``build_model_config``'s business: unknown there, it builds the dense model)."""
     toy = BoundaryMethod(width=lambda dim, k: dim // 2, width_key="w",
-                         receiver_weights=lambda dim, k: [(dim, 3)])  # fmt: skip
+                         receiver_weights=lambda dim, protocol: [(dim, 3)])  # fmt: skip
     monkeypatch.setitem(BOUNDARIES, "toy_half", toy)  # the one registry entry
     mode = ["--protocol.mode", "toy_half"]
     config = tiny(*mode)

@@ -8,11 +8,11 @@ import re
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import PLAN_LAYOUT, TINY, config_error
 from torch.func import functional_call
 
 from protocol_models import plan
-from protocol_models.config import ConfigError, load_config
+from protocol_models.config import load_config
 from protocol_models.model import ModelArch, build_model_config
 from protocol_models.optimizers import BLOCK_MATRICES
 from protocol_models.pipeline import split_stage
@@ -121,9 +121,7 @@ def test_identity_path_passes_the_first_h_coordinates_exactly():
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
-    with pytest.raises(ConfigError) as err:
-        load_config(str(TINY), ["--protocol.mode", "resbm", *overrides], check_environment=False)
-    assert message in str(err.value) and "\n" not in str(err.value)
+    assert message in config_error("--protocol.mode", "resbm", *overrides)
 
 
 def test_stages_with_another_bottleneck_width_disagree_at_start_up():
@@ -136,25 +134,13 @@ def test_stages_with_another_bottleneck_width_disagree_at_start_up():
     assert "mode=resbm" in identities[0] and identities[0] != identities[1]
 
 
-# plan.py's tiny layout (3 stages of [2, 1, 1] blocks, d=64, V=512, bf16, 4 microbatches of 2 x 16
-# tokens) with an h = 4 bottleneck at its two boundaries
-PLAN = [
-    "--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-    "--model.vocab_size", "512", "--model.ffn_hidden_dim", "96", "--protocol.k", "4",
-    "--protocol.layers_per_stage", "[2, 1, 1]", "--optimizer.name", "adamw",
-    "--parallelism.pipeline_parallel_degree", "3", "--parallelism.pipeline_parallel_microbatch_size",
-    "2", "--training.local_batch_size", "8", "--training.seq_len", "16",
-    "--training.mixed_precision_param", "bfloat16",
-]  # fmt: skip
-
-
 def test_planner_counts_the_encoder_decoder_and_the_h_wide_message():
     """Against the dense twin on the same layout: the encoder (64 x 4) on stages 0 and 1 and the
     decoder (4 x 64) on stages 1 and 2 add parameters (equal to the meta-device model's) and
     ``6 W`` FLOPs per token; a non-last stage keeps an h-wide output instead of a d-wide one; a
     message is ``mb seq h`` bf16 values."""
-    resbm = load_config(None, [*PLAN, "--protocol.mode", "resbm"], check_environment=False)
-    dense = load_config(None, [*PLAN, "--protocol.mode", "dense"], check_environment=False)
+    resbm = load_config(None, [*PLAN_LAYOUT, "--protocol.mode", "resbm"], check_environment=False)
+    dense = load_config(None, [*PLAN_LAYOUT, "--protocol.mode", "dense"], check_environment=False)
     added = [256, 512, 256]
     plans, twins = plan.plan_stages(resbm), plan.plan_stages(dense)
     tokens, in_flight = 32, 4

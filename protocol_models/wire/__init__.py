@@ -17,12 +17,22 @@ from protocol_models.boundary import BOUNDARIES
 from protocol_models.wire.codecs import CODECS, Codec, build_codec
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.meter import WireMeter
+from protocol_models.wire.rvq import ResidualVQ
 
 
 def modes() -> list[str]:
     """Every ``[protocol] mode``: the boundary methods (``protocol_models.boundary``: the wire
     carries the stage output as it is), then the registered lossy codecs."""
     return [*BOUNDARIES, *CODECS]
+
+
+def codec_for(config) -> Codec | None:
+    """The codec on ``config``'s boundary messages: MAPL's residual vector quantizer with
+    ``[protocol] rvq_stages`` > 0, else ``build_codec`` of the mode and ``[codec]``."""
+    protocol = config.protocol
+    if protocol.mode == "mapl" and protocol.rvq_stages:
+        return ResidualVQ(protocol.rvq_stages, protocol.rvq_codebook)
+    return build_codec(protocol.mode, config.codec, config.model.dim, protocol.seed)
 
 
 @dataclass
@@ -38,12 +48,11 @@ class Wire:
     @classmethod
     def from_config(cls, config) -> Wire:
         """The parts ``config`` (a ``ProtocolTrainer.Config``) asks for."""
-        protocol, dim = config.protocol, config.model.dim
         return cls(
-            meter=WireMeter(dim=dim),
-            codec=build_codec(protocol.mode, config.codec, dim, protocol.seed),
+            meter=WireMeter(dim=config.model.dim),
+            codec=codec_for(config),
             link=SimulatedLink(config.wan) if config.wan.enabled else None,
         )
 
 
-__all__ = ["Wire", "modes"]
+__all__ = ["Wire", "codec_for", "modes"]

@@ -169,6 +169,11 @@ class Codec(ABC):
         """Raise ``ConfigError`` naming the key when ``settings`` cannot work at width ``dim``
         with ``microbatch_tokens`` tokens per microbatch (default: nothing to check)."""
 
+    def attach(self, sender_block: nn.Module | None, receiver_block: nn.Module | None) -> None:  # noqa: B027
+        """Bind the codec to the blocks around its boundary, for a codec whose state lives in the
+        model (the last block before the boundary, the first after it; None where this process
+        holds no such block). Default: stateless, nothing to bind."""
+
     @abstractmethod
     def encode(self, x: torch.Tensor) -> Payload: ...
 
@@ -300,21 +305,23 @@ class Quant(Codec):
         else:
             u = torch.round(u)
         codes = u.clamp_(0, self.levels).to(torch.uint8)
-        return [self._pack(codes), scale.contiguous()]
+        return [self.pack(codes), scale.contiguous()]
 
-    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes ``[..., n]`` (uint8, each < 2^bits) -> ``[..., n bits / 8]`` uint8."""
         grouped = codes.view(*codes.shape[:-1], -1, self.per_byte)
         shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=codes.device)
         return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
 
-    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``pack``."""
         shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=packed.device)
         codes = (packed.unsqueeze(-1) >> shifts) & self.levels
         return codes.flatten(-2)
 
     def decode(self, payload, shape):
         packed, scale = payload
-        codes = self._unpack(packed).float()
+        codes = self.unpack(packed).float()
         return (codes * (2 / self.levels) - 1) * scale.float()
 
     def encode(self, x):
@@ -504,7 +511,9 @@ def install_in_graph(model: nn.Module, codec: Codec, n_stages: int, microbatch: 
         return boundary
 
     for layer_id in hooked:
-        model.layers[str(layer_id)].register_forward_hook(boundary_hook(copy.deepcopy(codec)))
+        own = copy.deepcopy(codec)
+        own.attach(model.layers[str(layer_id)], model.layers[str(layer_id + 1)])
+        model.layers[str(layer_id)].register_forward_hook(boundary_hook(own))
     return hooked
 
 

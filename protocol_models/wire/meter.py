@@ -26,6 +26,9 @@ class WireMeter:
     fwd: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     bwd: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     dense: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    sync: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Bytes a learned boundary sends to keep its two sides' parameters identical
+    (``protocol_models.mapl_sync``), apart from the activations."""
 
     def record(
         self,
@@ -47,3 +50,4 @@ class WireMeter:
         self.fwd.clear()
         self.bwd.clear()
         self.dense.clear()
+        self.sync.clear()

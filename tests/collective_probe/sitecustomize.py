@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import protocol_models.grassmann
+import protocol_models.mapl_sync
 import protocol_models.metrics
 import protocol_models.optimizers
 import protocol_models.wire.stage
@@ -32,6 +33,7 @@ SCOPED = {
     ),
     protocol_models.optimizers.GuardedOptimizers: ("_gradients_finite",),
     protocol_models.grassmann.SubspaceTracker: ("_update",),
+    protocol_models.mapl_sync.BoundarySync: ("sum_gradients", "metrics"),
     protocol_models.wire.stage.WirePipelineStage: (
         "get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops",
     ),
