@@ -14,12 +14,12 @@ go through the shared cache ``common.train_cached``):
   precision or quantized to 8, 4 or 2 bits (``[codec] bits``: a bf16 per-token scale, stochastic
   rounding backward; k a multiple of 8 / bits), trained from the fewest bytes up;
 * the other arms of the codec comparison: the lossy baselines (TopK, quantization, fixed
-  low-rank, SVD) and the learned ResBM bottleneck;
+  low-rank, SVD) and the learned boundaries (ResBM, MAPL);
 * the dense twin, two seeds.
 
 Runs the codec comparison already measured (the same overrides on the same workload: dense,
-subspace k=1, 8 and 32, the lossy baselines, ResBM) are read from ``results/compare/results.json``
-rather than trained again.
+subspace k=1, 8 and 32, the lossy baselines, ResBM, MAPL) are read from
+``results/compare/results.json`` rather than trained again.
 
 Seed 1 then trains every arm on the seed-0 frontier (no other arm has both fewer bytes and a
 smaller gap). Bytes per token: what one boundary carries per token, forward + backward, every
@@ -151,7 +151,7 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     tokens = meta["tokens_per_step_boundary"]
     fig, ax = plt.subplots(figsize=(8, 5))
     families = {"subspace full": "C0", "subspace 8-bit": "C1", "subspace 4-bit": "C2",
-                "subspace 2-bit": "C3", "resbm": "C4", "lossy": "0.5"}  # fmt: skip
+                "subspace 2-bit": "C3", "resbm": "C4", "mapl": "C5", "lossy": "0.5"}  # fmt: skip
     for name, e in results.items():
         if name == "dense":
             continue
