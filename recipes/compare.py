@@ -140,15 +140,18 @@ def run_all(
 ) -> dict:
     """Train every (arm, seed) through the shared cache, ``PARALLEL_RUNS`` at a time
     (``cached_only``: take the finished ones, train nothing). ``stored`` (``stored_runs``): runs
-    already measured by a study's results.json, keyed by their overrides, taken as they are."""
+    already measured by a study's results.json, keyed by their overrides, taken as they are
+    when their wire still sends the bytes it sent then (a codec whose payload changed since,
+    e.g. the quantizer's scales, is trained again)."""
     jobs = [(a, s) for a in arms for s in a["seeds"]]
     stored = stored or {}
 
     def one(job) -> dict | None:
         a, seed = job
-        if tuple(sorted(overrides(a, seed))) in stored:
-            return stored[tuple(sorted(overrides(a, seed)))]
         over = [*quick_over, *overrides(a, seed)]
+        sent, entry = stored.get(tuple(sorted(overrides(a, seed))), (None, None))
+        if entry is not None and sent == wire_bytes(toml, over):
+            return entry
         if cached_only:
             folder = run_folder(over, toml=toml, nproc=1)
             return seed_entry(a, seed, folder) if (folder / "done").is_file() else None
@@ -193,11 +196,12 @@ def seed_entry(a: dict, seed: int, folder: Path) -> dict:
 
 def stored_runs(results_json: Path) -> dict:
     """The runs a study's results.json holds, keyed by their sorted overrides (what
-    ``run_all`` looks them up by)."""
+    ``run_all`` looks them up by): ``(bytes_per_step of their arm, the seed's entry)``."""
     if not results_json.is_file():
         return {}
     runs = json.loads(results_json.read_text())["runs"]
-    return {tuple(sorted(s["overrides"])): s for e in runs.values() for s in e["seeds"].values()}
+    return {tuple(sorted(s["overrides"])): (e["bytes_per_step"], s)
+            for e in runs.values() for s in e["seeds"].values()}  # fmt: skip
 
 
 def summarize(results: dict) -> None:
