@@ -382,6 +382,7 @@ def main() -> None:
     if args.only:  # the dense and subspace runs it measures are not among the retrained arms
         results["error_vs_depth"] = previous["error_vs_depth"]
         results["meta"]["recipe_wall_s"] = previous["meta"]["recipe_wall_s"]
+        results["meta"]["where"] = previous["meta"]["where"]  # how the kept runs were trained
         results["meta"].update(only_meta(previous, args.only, time.time() - started))
     else:
         sub = "subspace k=4" if args.quick else "subspace k=8"
