@@ -42,6 +42,7 @@ from recipes.common import (
     REPO,
     steady_step_time,
     steps_to_reach,
+    timing_overrides,
     train,
     train_cached,
     validation_curve,
@@ -79,15 +80,15 @@ def arm_overrides(entry: dict) -> list[str]:
     return over[: over.index("--optimizer.name")]
 
 
+def timed(steps: int) -> list[str]:
+    """A timed run's overrides (``common.timing_overrides``), Muon like every study arm."""
+    return [*timing_overrides(steps), "--optimizer.name", OPTIMIZER]
+
+
 def link_off_step(out: Path, quick: list[str], steps: int) -> float:
     """The dense twin's steady link-off step time, pipelined as the timing runs are."""
-    records = train(out / "link_off", [*quick, *timing(["--protocol.mode", "dense"], steps)])
+    records = train(out / "link_off", [*quick, "--protocol.mode", "dense", *timed(steps)])
     return steady_step_time(records)[0]
-
-
-def timing(overrides: list[str], steps: int) -> list[str]:
-    return [*overrides, "--training.steps", str(steps), "--metrics.log_freq", "1",
-            "--validator.enable", "false", "--optimizer.name", OPTIMIZER]  # fmt: skip
 
 
 def main() -> None:
@@ -124,7 +125,7 @@ def main() -> None:
                "--wan.latency_ms", f"{link.latency_ms:.6g}"]  # fmt: skip
         for name, over in arms.items():
             records = train(args.out / "runs" / f"{name}/{int(mbps)}",
-                            [*quick, *timing([*over, *wan], timing_steps)])  # fmt: skip
+                            [*quick, *over, *wan, *timed(timing_steps)])  # fmt: skip
             results["step_s"][f"{name}/{int(mbps)}"] = steady_step_time(records, window=5)[0]
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
     if args.quick:  # keep the harness check's tiny runs out of the shared study cache
