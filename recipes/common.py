@@ -106,11 +106,17 @@ def train_cached(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1
     return folder
 
 
-def run_folder(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1) -> Path:
-    """Where ``train_cached`` keeps this run (finished iff it holds a ``done`` file)."""
+def canonical_overrides(overrides: list[str]) -> tuple[tuple[str, str], ...]:
+    """The ``(key, value)`` pairs of an override list, sorted: equal for equal runs whatever
+    the order the overrides were written in."""
     from protocol_models.config import parse_overrides
 
-    canonical = sorted((k, repr(v)) for k, v in parse_overrides(overrides))
+    return tuple(sorted((k, repr(v)) for k, v in parse_overrides(overrides)))
+
+
+def run_folder(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1) -> Path:
+    """Where ``train_cached`` keeps this run (finished iff it holds a ``done`` file)."""
+    canonical = canonical_overrides(overrides)  # JSON writes its pairs as lists, as before
     key = hashlib.sha256(json.dumps([toml.read_text(), canonical, nproc]).encode()).hexdigest()
     return RUN_CACHE / key[:16]
 

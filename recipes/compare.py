@@ -42,6 +42,7 @@ from recipes.common import (
     PARALLEL_RUNS,
     REFERENCE,
     REPO,
+    canonical_overrides,
     read_jsonl,
     repo_relative,
     run_folder,
@@ -149,7 +150,7 @@ def run_all(
     def one(job) -> dict | None:
         a, seed = job
         over = [*quick_over, *overrides(a, seed)]
-        sent, entry = stored.get(tuple(sorted(overrides(a, seed))), (None, None))
+        sent, entry = stored.get(canonical_overrides(overrides(a, seed)), (None, None))
         if entry is not None and sent == wire_bytes(toml, over):
             return entry
         if cached_only:
@@ -200,7 +201,7 @@ def stored_runs(results_json: Path) -> dict:
     if not results_json.is_file():
         return {}
     runs = json.loads(results_json.read_text())["runs"]
-    return {tuple(sorted(s["overrides"])): (e["bytes_per_step"], s)
+    return {canonical_overrides(s["overrides"]): (e["bytes_per_step"], s)
             for e in runs.values() for s in e["seeds"].values()}  # fmt: skip
 
 
@@ -356,7 +357,7 @@ def main() -> None:
     kept, previous, to_run = {}, {}, arms
     if args.only:  # (re)train the named arms, keep every other run of the existing results.json
         previous = json.loads((args.out / "results.json").read_text())
-        retrain = {tuple(sorted(overrides(a, s)))
+        retrain = {canonical_overrides(overrides(a, s))
                    for a in select_arms(parser, arms, args.only) for s in a["seeds"]}  # fmt: skip
         kept = {key: run for key, run in stored_runs(args.out / "results.json").items()
                 if key not in retrain}  # fmt: skip

@@ -19,7 +19,9 @@ go through the shared cache ``common.train_cached``):
 
 Runs the codec comparison already measured (the same overrides on the same workload: dense,
 subspace k=1, 8 and 32, the lossy baselines, ResBM, MAPL) are read from
-``results/compare/results.json`` rather than trained again.
+``results/compare/results.json`` rather than trained again, and so are this study's own runs in
+``results/frontier/results.json`` (the run cache ``results/runs`` is per machine); a stored run
+counts only while its wire still sends the bytes it sent then.
 
 Seed 1 then trains every arm on the seed-0 frontier (no other arm has both fewer bytes and a
 smaller gap). Bytes per token: what one boundary carries per token, forward + backward, every
@@ -196,7 +198,8 @@ def main() -> None:
     arms = highest_ratio_first(study_arms(args.quick), toml, quick_over)
     if args.only:
         arms = select_arms(parser, arms, ["dense", *args.only])
-    stored = {} if args.quick else stored_runs(COMPARE)  # the codec study's runs, as measured
+    # the codec study's runs and this study's own, as measured (the run cache is per machine)
+    stored = {} if args.quick else stored_runs(COMPARE) | stored_runs(args.out / "results.json")
     runs = run_all(arms, toml, quick_over, args.cached_only, stored)
     summarize(runs)
     config = load_config(str(toml), quick_over, check_environment=False)
