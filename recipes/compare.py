@@ -14,9 +14,10 @@ Every run trains the reference workload (``configs/reference_cpu.toml``: Shakesp
 (``OPTIMIZER``: Muon on every block matrix -- ResBM's encoders and decoders included --, AdamW
 elsewhere; MAPL's projections by StiefelMuon), so dense is a fair baseline. The byte table counts
 the activation wire; MAPL's per-step gradient exchange between a boundary's two copies
-(``wire/sync_bytes``, independent of the batch) is not in it. ``--only ARM ...`` (re)trains the
-named arms and keeps every other run of the existing results.json (arms in neither are left out,
-as not run).
+(``wire/sync_bytes``, independent of the batch) is not in it. ``--only ARM ...`` adds the named
+arms to the existing results.json and keeps its other runs (arms in neither are left out, as not
+run). Runs this study's or the frontier study's results.json already hold are taken from there
+while their wire still sends the bytes it sent then; any other run trains (again).
 Runs go through ``common.train_cached``, shared with the other studies.
 
 Writes ``results/compare/{results.json,table.md,val_loss.png,error_vs_depth.png}``.
@@ -55,6 +56,8 @@ from recipes.error_vs_depth import error_vs_depth, plot_error
 
 OPTIMIZER = "muon"
 """The one optimizer of every arm (the subspace ablation's best): Muon on all block matrices."""
+FRONTIER = REPO / "results" / "frontier" / "results.json"
+"""The frontier study's runs: the same workload, so runs it measured are not trained again."""
 QUICK_TOML = REPO / "tests" / "tiny.toml"
 QUICK = ["--protocol.stages", "2", "--training.steps", "12", "--validator.enable",
          "--validator.freq", "4", "--validator.steps", "2"]  # fmt: skip
@@ -240,13 +243,13 @@ def dense_steps_to(curve: list[tuple[int, float]], target: float) -> dict:
     return {"beyond": curve[-1][0]} if steps is None else {"steps": steps}
 
 
-def only_meta(previous: dict, names: list[str], wall_s: float) -> dict:
-    """What the results' meta records of an ``--only`` pass over ``names`` taking ``wall_s``
-    seconds, on top of the ``previous`` results' records: ``retrained`` (arms the previous
-    results held: their codec changed, the bf16 quantizer scales) and ``added`` (new arms),
-    each ``{"arms": [...], "wall_s": ...}``."""
+def only_meta(previous: dict, names: list[str], trained: list[str], wall_s: float) -> dict:
+    """What the results' meta records of an ``--only`` pass over ``names`` (of which ``trained``
+    ran in it) taking ``wall_s`` seconds, on top of the ``previous`` results' records:
+    ``retrained`` (arms the previous results held, trained again because their wire changed:
+    the bf16 quantizer scales) and ``added`` (new arms), each ``{"arms": [...], "wall_s": ...}``."""
     meta = {key: previous["meta"][key] for key in ("retrained", "added") if key in previous["meta"]}
-    for key, arms in (("retrained", [n for n in names if n in previous["runs"]]),
+    for key, arms in (("retrained", [n for n in trained if n in previous["runs"]]),
                       ("added", [n for n in names if n not in previous["runs"]])):  # fmt: skip
         if arms:
             before = meta.get(key, {"arms": [], "wall_s": 0.0})
@@ -339,8 +342,8 @@ def main() -> None:
     parser.add_argument("--cached-only", action="store_true",
                         help="report only the runs already finished in the cache")  # fmt: skip
     parser.add_argument("--only", nargs="+", metavar="ARM",
-                        help="retrain these arms (after a codec change) and keep the other "
-                        "arms of the existing results.json")  # fmt: skip
+                        help="add these arms (and retrain the stored runs whose wire bytes "
+                        "changed) to the existing results.json")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.render_only:
@@ -355,12 +358,10 @@ def main() -> None:
         (QUICK_TOML, QUICK, QUICK_ARMS) if args.quick else (REFERENCE, [], ARMS)
     )
     kept, previous, to_run = {}, {}, arms
-    if args.only:  # (re)train the named arms, keep every other run of the existing results.json
+    if args.only:  # add the named arms to the existing results.json, keep its other runs
         previous = json.loads((args.out / "results.json").read_text())
-        retrain = {canonical_overrides(overrides(a, s))
-                   for a in select_arms(parser, arms, args.only) for s in a["seeds"]}  # fmt: skip
-        kept = {key: run for key, run in stored_runs(args.out / "results.json").items()
-                if key not in retrain}  # fmt: skip
+        select_arms(parser, arms, args.only)
+        kept = stored_runs(FRONTIER) | stored_runs(args.out / "results.json")
         to_run = [a for a in arms if a["name"] in args.only or a["name"] in previous["runs"]]
     runs = run_all(to_run, toml, quick_over, args.cached_only, stored=kept)
     summarize(runs)
@@ -384,7 +385,10 @@ def main() -> None:
         results["error_vs_depth"] = previous["error_vs_depth"]
         results["meta"]["recipe_wall_s"] = previous["meta"]["recipe_wall_s"]
         results["meta"]["where"] = previous["meta"]["where"]  # how the kept runs were trained
-        results["meta"].update(only_meta(previous, args.only, time.time() - started))
+        trained = [n for n in args.only if n in runs and any(
+            kept.get(canonical_overrides(seed["overrides"]), (None, None))[1] is not seed
+            for seed in runs[n]["seeds"].values())]  # fmt: skip
+        results["meta"].update(only_meta(previous, args.only, trained, time.time() - started))
     else:
         sub = "subspace k=4" if args.quick else "subspace k=8"
         sub_folder = REPO / runs[sub]["seeds"]["0"]["run"]

@@ -4,7 +4,7 @@
     python recipes/frontier.py --quick         # tiny model, few steps: checks the harness
     python recipes/frontier.py --render-only   # table and plot from an existing results.json
     python recipes/frontier.py --cached-only   # the finished runs only (trains nothing)
-    python recipes/frontier.py --only "subspace k=16 4-bit" ... [--one-seed]   # a subset, + dense
+    python recipes/frontier.py --only "subspace k=16 4-bit" ... [--one-seed]   # train these only
 
 Arms, each trained on the reference workload (``configs/reference_cpu.toml``, 300 steps, Muon on
 every arm, in one process with the codecs in-graph at the 4-stage layout's 3 boundaries; runs
@@ -114,19 +114,19 @@ def frontier(results: dict, tokens: int) -> list[str]:
 
 def render_table(results: dict, meta: dict) -> str:
     tokens, on = meta["tokens_per_step_boundary"], set(meta["frontier"])
-    subset = meta.get("subset")
     wall = meta.get("recipe_wall_s")
+    run_hours = sum(s["wall_s"] for e in results.values() for s in e["seeds"].values()) / 3600
     lines = [
         f"Reference workload, {meta['steps']} steps, Muon on every arm; {meta['where']}; "
         + (
             f"whole recipe {wall / 60:.0f} min wall."
             if wall
-            else "assembled from the finished "
-            "runs (`--cached-only`; each run's wall time is in results.json)."
+            else f"assembled from runs trained in several passes: their wall times add up to "
+            f"{run_hours:.1f} h, so the whole recipe takes about {run_hours / PARALLEL_RUNS:.1f} h "
+            f"at {PARALLEL_RUNS} runs at a time."
         )
         + " Bytes per token: one boundary, forward + backward, every scale and index included "
         "(fp32 wire)."
-        + (f" **Subset of the study**: {', '.join(subset)} and dense." if subset else "")
         + (f" **Not run yet**: {', '.join(meta['not_run'])}." if meta.get("not_run") else ""),
         "",
         "| arm | bytes/token | ratio | final val loss (seeds) | gap vs dense | on frontier |",
@@ -181,7 +181,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--render-only", action="store_true")
-    parser.add_argument("--only", nargs="+", metavar="ARM", help="train these arms (and dense)")
+    parser.add_argument("--only", nargs="+", metavar="ARM",
+                        help="train these arms (and dense); the others as finished")  # fmt: skip
     parser.add_argument("--one-seed", action="store_true", help="no second seed on the frontier")
     parser.add_argument("--cached-only", action="store_true",
                         help="report the finished runs only (trains nothing)")  # fmt: skip
@@ -196,18 +197,25 @@ def main() -> None:
         common.RUN_CACHE = args.out / "runs"
     toml, quick_over = (QUICK_TOML, QUICK) if args.quick else (REFERENCE, [])
     arms = highest_ratio_first(study_arms(args.quick), toml, quick_over)
-    if args.only:
-        arms = select_arms(parser, arms, ["dense", *args.only])
+    named = {a["name"] for a in select_arms(parser, arms, ["dense", *args.only])} if args.only \
+        else {a["name"] for a in arms}  # fmt: skip
     # the codec study's runs and this study's own, as measured (the run cache is per machine)
     stored = {} if args.quick else stored_runs(COMPARE) | stored_runs(args.out / "results.json")
-    runs = run_all(arms, toml, quick_over, args.cached_only, stored)
+
+    def gather(todo: list[dict]) -> dict:  # train the named arms; take the others as they are
+        trained = run_all([a for a in todo if a["name"] in named], toml, quick_over,
+                          args.cached_only, stored)  # fmt: skip
+        rest = [a for a in todo if a["name"] not in named]
+        return trained | run_all(rest, toml, quick_over, True, stored)
+
+    runs = gather(arms)
     summarize(runs)
     config = load_config(str(toml), quick_over, check_environment=False)
     boundaries = config.layout_stages - 1
     tokens = config.training.local_batch_size * config.training.seq_len * boundaries
     on = frontier(runs, tokens)
     second = [] if args.one_seed else [dict(a, seeds=[1]) for a in arms if a["name"] in on]
-    for name, entry in run_all(second, toml, quick_over, args.cached_only, stored).items():
+    for name, entry in gather(second).items():
         runs[name]["seeds"].update(entry["seeds"])
     summarize(runs)
     meta = {
@@ -221,9 +229,8 @@ def main() -> None:
         if not args.quick else "CPU (quick harness check)",
         "frontier": frontier(runs, tokens),
         "seed1_arms": [a["name"] for a in second],
-        "subset": args.only or None,
         "not_run": [a["name"] for a in arms if a["name"] not in runs],
-        "recipe_wall_s": None if args.cached_only else time.time() - started,
+        "recipe_wall_s": None if args.cached_only or args.only else time.time() - started,
     }  # fmt: skip
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     report(runs, meta, args.out)
