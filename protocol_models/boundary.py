@@ -35,6 +35,8 @@ class ProtocolSettings(Protocol):
 
     k: int
     anchor_rank: int
+    rvq_stages: int
+    rvq_codebook: int
 
 
 Shapes = list[tuple[int, int]]
@@ -46,6 +48,10 @@ def _no_weights(dim: int, protocol: ProtocolSettings) -> Shapes:
 
 
 def _no_lookups(vocab: int, protocol: ProtocolSettings) -> int:
+    return 0
+
+
+def _no_sync(dim: int, vocab: int, protocol: ProtocolSettings) -> int:
     return 0
 
 
@@ -64,6 +70,9 @@ class BoundaryMethod:
     lookups: Callable[[int, ProtocolSettings], int] = _no_lookups
     """``(V, protocol) ->`` table parameters (read by token id, no FLOPs) it adds on each side
     of a boundary."""
+    sync_values: Callable[[int, int, ProtocolSettings], int] = _no_sync
+    """``(d, V, protocol) ->`` fp32 values a boundary's two stages exchange once per step, both
+    directions together, apart from the activation wire (whatever the batch)."""
     exportable: bool = True
     """Whether a trained model folds into an ordinary LLaMA (``protocol_models.export``)."""
 
@@ -103,6 +112,18 @@ def _mapl_weights(dim: int, protocol: ProtocolSettings) -> Shapes:
     return [(dim, protocol.k), (protocol.anchor_rank, dim)]
 
 
+def _mapl_lookups(vocab: int, protocol: ProtocolSettings) -> int:
+    """One side's anchor table ``P`` ``[V, m]``."""
+    return vocab * protocol.anchor_rank
+
+
+def _mapl_sync(dim: int, vocab: int, protocol: ProtocolSettings) -> int:
+    """Each side sends its gradients of ``U``, ``Q`` and ``P`` (dense); with RVQ the sender also
+    sends its refreshed codebooks ``[L, K, r]`` (``protocol_models.mapl_sync``)."""
+    one_side = sum(i * o for i, o in _mapl_weights(dim, protocol)) + _mapl_lookups(vocab, protocol)
+    return 2 * one_side + protocol.rvq_stages * protocol.rvq_codebook * protocol.k
+
+
 register_boundary(
     "mapl",
     BoundaryMethod(
@@ -110,7 +131,8 @@ register_boundary(
         width_key="r",
         sender_weights=_mapl_weights,
         receiver_weights=_mapl_weights,
-        lookups=lambda vocab, protocol: vocab * protocol.anchor_rank,
+        lookups=_mapl_lookups,
+        sync_values=_mapl_sync,
         exportable=False,
     ),
 )

@@ -14,10 +14,11 @@ Every run trains the reference workload (``configs/reference_cpu.toml``: Shakesp
 (``OPTIMIZER``: Muon on every block matrix -- ResBM's encoders and decoders included --, AdamW
 elsewhere; MAPL's projections by StiefelMuon), so dense is a fair baseline. The byte table counts
 the activation wire; MAPL's per-step gradient exchange between a boundary's two copies
-(``wire/sync_bytes``, independent of the batch) is not in it. ``--only ARM ...`` adds the named
-arms to the existing results.json and keeps its other runs (arms in neither are left out, as not
-run). Runs this study's or the frontier study's results.json already hold are taken from there
-while their wire still sends the bytes it sent then; any other run trains (again).
+(``wire/sync_bytes``, independent of the batch) is shown beside it, not in the ratio.
+``--only ARM ...`` adds the named arms to the existing results.json and keeps its other runs
+(arms in neither are left out, as not run). Runs this study's or the frontier study's
+results.json already hold are taken from there while their wire still sends the bytes it sent
+then; any other run trains (again).
 Runs go through ``common.train_cached``, shared with the other studies.
 
 Writes ``results/compare/{results.json,table.md,val_loss.png,error_vs_depth.png}``.
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from protocol_models.boundary import BOUNDARIES
 from protocol_models.config import load_config
 from protocol_models.wire import codec_for
 from protocol_models.wire.sizes import message_bytes
@@ -135,6 +137,17 @@ def wire_bytes(toml: Path, over: list[str]) -> dict:
     return {"fwd": size("fwd"), "bwd": size("bwd"), "dense": 2 * size("fwd", "dense")}
 
 
+def sync_bytes(toml: Path, over: list[str]) -> int:
+    """Bytes one training step exchanges over all boundaries apart from the activation wire
+    (``boundary.BoundaryMethod.sync_values``, fp32: MAPL's gradient and codebook exchange;
+    tested equal to what a pipelined run meters as ``wire/sync_bytes``)."""
+    config = load_config(str(toml), over, check_environment=False)
+    method = BOUNDARIES.get(config.protocol.mode)
+    values = method.sync_values(config.model.dim, config.model.vocab_size, config.protocol) \
+        if method else 0  # fmt: skip
+    return 4 * values * (config.layout_stages - 1)
+
+
 def run_all(
     arms: list[dict],
     toml: Path,
@@ -172,7 +185,9 @@ def run_all(
         if a["name"] not in results:  # bytes do not depend on the seed: measured once per arm
             results[a["name"]] = {
                 "ratio_group": a["ratio"], "mode": a["mode"],
-                "bytes_per_step": wire_bytes(toml, [*quick_over, *overrides(a, seed)]), "seeds": {},
+                "bytes_per_step": wire_bytes(toml, [*quick_over, *overrides(a, seed)]),
+                "sync_bytes_per_step": sync_bytes(toml, [*quick_over, *overrides(a, seed)]),
+                "seeds": {},
             }  # fmt: skip
         results[a["name"]]["seeds"][str(seed)] = entry
     return results
@@ -287,10 +302,12 @@ def render_table(results: dict, meta: dict) -> str:
             need = f"> {reach['beyond']} (beats dense)"
         else:
             need = f"< {reach['before']}"
-        b = e["bytes_per_step"]
+        b, sync = e["bytes_per_step"], e.get("sync_bytes_per_step", 0)
         lines.append(
             f"| {e['ratio_group']} | {name} | {loss} | {e['perplexity']:.1f} | "
-            f"{e['gap_vs_dense_pct']:+.2f}% | {need} | {b['fwd']:,} + {b['bwd']:,} | "
+            f"{e['gap_vs_dense_pct']:+.2f}% | {need} | {b['fwd']:,} + {b['bwd']:,}"
+            + (f" (+ {sync:,} sync)" if sync else "")
+            + " | "
             f"{e['ratio']:.1f}x ({b['dense'] / 2 / b['fwd']:.1f}x) | {e['wall_s'] / 60:.1f} min |"
         )
     lines += [

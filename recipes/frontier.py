@@ -95,10 +95,17 @@ def highest_ratio_first(arms: list[dict], toml: Path, quick_over: list[str]) -> 
 
 
 def bytes_per_token(entry: dict, tokens_per_step_boundary: int) -> float:
-    """Bytes one boundary carries per token (forward + backward): a step's bytes over all
-    boundaries / (tokens per step x boundaries)."""
+    """Bytes one boundary carries per token (forward + backward, plus MAPL's per-step weight
+    exchange spread over the step's tokens): a step's bytes over all boundaries / (tokens per
+    step x boundaries)."""
     b = entry["bytes_per_step"]
-    return (b["fwd"] + b["bwd"]) / tokens_per_step_boundary
+    return (b["fwd"] + b["bwd"] + entry.get("sync_bytes_per_step", 0)) / tokens_per_step_boundary
+
+
+def ratio(entry: dict, tokens_per_step_boundary: int) -> float:
+    """Dense bytes per token over the arm's (``bytes_per_token``)."""
+    dense = entry["bytes_per_step"]["dense"] / tokens_per_step_boundary
+    return dense / bytes_per_token(entry, tokens_per_step_boundary)
 
 
 def frontier(results: dict, tokens: int) -> list[str]:
@@ -126,7 +133,8 @@ def render_table(results: dict, meta: dict) -> str:
             f"at {PARALLEL_RUNS} runs at a time."
         )
         + " Bytes per token: one boundary, forward + backward, every scale and index included "
-        "(fp32 wire)."
+        "(fp32 wire); MAPL's per-step exchange of its boundary weights' gradients counts too, "
+        "spread over the step's tokens. Ratio: dense bytes / these bytes."
         + (f" **Not run yet**: {', '.join(meta['not_run'])}." if meta.get("not_run") else ""),
         "",
         "| arm | bytes/token | ratio | final val loss (seeds) | gap vs dense | on frontier |",
@@ -138,7 +146,7 @@ def render_table(results: dict, meta: dict) -> str:
             f" ({' / '.join(finals)})" if len(finals) > 1 else ""
         )
         lines.append(
-            f"| {name} | {bytes_per_token(e, tokens):,.1f} | {e['ratio']:.1f}x | {loss} "
+            f"| {name} | {bytes_per_token(e, tokens):,.1f} | {ratio(e, tokens):.1f}x | {loss} "
             f"| {e['gap_vs_dense_pct']:+.2f}% | {'yes' if name in on else ''} |"
         )
     return "\n".join(lines) + "\n"

@@ -48,14 +48,16 @@ def test_compare_quick_writes_well_formed_results(tmp_path):
 
 
 def test_only_passes_record_retrained_and_added_arms():
-    """An ``--only`` pass keeps the earlier passes' records; arms the results held are
-    ``retrained``, new ones ``added``, each with the pass's wall time."""
-    previous = {"runs": {"dense": {}, "quant int2": {}},
+    """An ``--only`` pass keeps the earlier passes' records; arms the results held and the pass
+    trained again are ``retrained`` (a held arm it kept is not), new ones ``added``, each with
+    the pass's wall time."""
+    previous = {"runs": {"dense": {}, "quant int2": {}, "quant int4": {}},
                 "meta": {"retrained": {"arms": ["quant int2"], "wall_s": 60.0}}}  # fmt: skip
-    meta = only_meta(previous, ["resbm h=8", "resbm h=1"], 120.0)
+    names = ["resbm h=8", "resbm h=1", "quant int4", "dense"]
+    meta = only_meta(previous, names, ["resbm h=8", "quant int4"], 120.0)
     assert meta == {
-        "retrained": {"arms": ["quant int2"], "wall_s": 60.0},
+        "retrained": {"arms": ["quant int2", "quant int4"], "wall_s": 180.0},
         "added": {"arms": ["resbm h=8", "resbm h=1"], "wall_s": 120.0},
     }
-    again = only_meta({"runs": {}, "meta": meta}, ["resbm h=8", "resbm h=32"], 30.0)
+    again = only_meta({"runs": {}, "meta": meta}, ["resbm h=8", "resbm h=32"], [], 30.0)
     assert again["added"] == {"arms": ["resbm h=8", "resbm h=1", "resbm h=32"], "wall_s": 150.0}

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import torchrun
+from conftest import TINY, torchrun
 
+from protocol_models.boundary import BOUNDARIES
+from protocol_models.config import load_config
 from protocol_models.metrics import read_jsonl
 from protocol_models.wire.codecs import CodecSettings, build_codec
 from protocol_models.wire.sizes import message_bytes
@@ -108,3 +110,6 @@ def test_mapl_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
         assert r["wire/sync_bytes"] == 2 * synced + 2 * 16 * 4 * 4  # + the sender's codebooks
         assert r["mapl/orthonormality"] < 1e-5
         assert 1 < r["mapl/code_perplexity/b0"] <= 16
+    protocol = load_config(str(TINY), ["--protocol.mode", "mapl", *rvq],
+                           check_environment=False).protocol  # fmt: skip
+    assert 4 * BOUNDARIES["mapl"].sync_values(64, 8192, protocol) == piped[0]["wire/sync_bytes"]
