@@ -51,8 +51,8 @@ def _no_lookups(vocab: int, protocol: ProtocolSettings) -> int:
     return 0
 
 
-def _no_sync(dim: int, vocab: int, protocol: ProtocolSettings) -> int:
-    return 0
+def _no_sync(dim: int, vocab: int, protocol: ProtocolSettings) -> tuple[int, int]:
+    return 0, 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,9 +70,10 @@ class BoundaryMethod:
     lookups: Callable[[int, ProtocolSettings], int] = _no_lookups
     """``(V, protocol) ->`` table parameters (read by token id, no FLOPs) it adds on each side
     of a boundary."""
-    sync_values: Callable[[int, int, ProtocolSettings], int] = _no_sync
-    """``(d, V, protocol) ->`` fp32 values a boundary's two stages exchange once per step, both
-    directions together, apart from the activation wire (whatever the batch)."""
+    sync_values: Callable[[int, int, ProtocolSettings], tuple[int, int]] = _no_sync
+    """``(d, V, protocol) ->`` fp32 values a boundary's two stages exchange once per step apart
+    from the activation wire (whatever the batch): ``(sender to receiver, receiver to sender)``,
+    sent at the same time."""
     exportable: bool = True
     """Whether a trained model folds into an ordinary LLaMA (``protocol_models.export``)."""
 
@@ -117,11 +118,11 @@ def _mapl_lookups(vocab: int, protocol: ProtocolSettings) -> int:
     return vocab * protocol.anchor_rank
 
 
-def _mapl_sync(dim: int, vocab: int, protocol: ProtocolSettings) -> int:
+def _mapl_sync(dim: int, vocab: int, protocol: ProtocolSettings) -> tuple[int, int]:
     """Each side sends its gradients of ``U``, ``Q`` and ``P`` (dense); with RVQ the sender also
     sends its refreshed codebooks ``[L, K, r]`` (``protocol_models.mapl_sync``)."""
-    one_side = sum(i * o for i, o in _mapl_weights(dim, protocol)) + _mapl_lookups(vocab, protocol)
-    return 2 * one_side + protocol.rvq_stages * protocol.rvq_codebook * protocol.k
+    grads = sum(i * o for i, o in _mapl_weights(dim, protocol)) + _mapl_lookups(vocab, protocol)
+    return grads + protocol.rvq_stages * protocol.rvq_codebook * protocol.k, grads
 
 
 register_boundary(

@@ -75,7 +75,9 @@ together, in ``latency + transfer + the stage's compute`` (``wire.link.rendezvou
 A pass over servers with per-microbatch times ``t_i`` (stages, and each link with the stage behind
 it) takes ``sum(stage t_i) + links x transfer + (M - 1) max(t_i)``: with no link and equal
 stages, ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
-Step = forward pass + backward pass (1F1B has the same bubble and is predicted alike). FSDP's
+Step = forward pass + backward pass (1F1B has the same bubble and is predicted alike), plus, for
+a method whose boundary stages exchange weights' gradients before the optimizer step (MAPL:
+``sync_bytes``), one transfer of the larger direction, every boundary at once. FSDP's
 collectives inside a region, the gradient-norm and non-finite-check all-reduces (latency-bound,
 once per step) and the optimizer step are not counted.
 
@@ -365,9 +367,20 @@ def message_bytes(config) -> tuple[int, int]:
     )
 
 
+def sync_bytes(config) -> tuple[int, int]:
+    """Bytes a boundary's two stages exchange once per step apart from the activations (each
+    direction, one data-parallel replica; ``boundary.BoundaryMethod.sync_values``, fp32)."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    if method is None:
+        return 0, 0
+    values = method.sync_values(config.model.dim, config.model.vocab_size, config.protocol)
+    return tuple(4 * v for v in values)
+
+
 def wire_plan(config) -> dict:
     """Bytes per step at each boundary (both directions, all data-parallel replicas), the
-    configured mode's and dense's."""
+    configured mode's activations and dense's, and the mode's per-step exchange apart from the
+    activations (``sync_bytes``; in no ratio)."""
     act_bytes, n_mb, tokens = _microbatching(config)
     replicas = config.replicas
     fwd, bwd = message_bytes(config)
@@ -378,6 +391,7 @@ def wire_plan(config) -> dict:
         "per_boundary_bytes": per_boundary,
         "dense_per_boundary_bytes": dense,
         "ratio": dense / per_boundary,
+        "sync_per_boundary_bytes": replicas * sum(sync_bytes(config)),
     }
 
 
@@ -409,6 +423,8 @@ def predict_step(
     fwd = [_compute_seconds(config, p.fwd_flops, mfu) for p in plans]
     bwd = [_compute_seconds(config, p.bwd_flops, mfu) for p in plans]
     step = one_pass(fwd, link_seconds(fwd_msg)) + one_pass(bwd[::-1], link_seconds(bwd_msg))
+    if any(sync_bytes(config)):  # every boundary's exchange at once, before the optimizer step
+        step += link_seconds(max(sync_bytes(config)))
     tokens = replicas * config.training.local_batch_size * config.training.seq_len
     return {
         "busiest_compute_s": n_mb * max(f + b for f, b in zip(fwd, bwd, strict=True)),
@@ -490,7 +506,13 @@ def render(
         f"wire per boundary per step (fwd + bwd, all {dp} data-parallel replicas): "
         f"{wire['per_boundary_bytes'] / 1e6:,.1f} MB ({config.protocol.mode}) vs "
         f"{wire['dense_per_boundary_bytes'] / 1e6:,.1f} MB dense -> {wire['ratio']:.1f}x; "
-        f"one message {wire['message_bytes'] / 1e3:,.1f} kB",
+        f"one message {wire['message_bytes'] / 1e3:,.1f} kB"
+        + (
+            f"; plus {wire['sync_per_boundary_bytes'] / 1e6:,.1f} MB of weight gradients "
+            "exchanged per step (both directions)"
+            if wire["sync_per_boundary_bytes"]
+            else ""
+        ),
         "",
         f"predicted step on this layout, links at {link} + {latency_ms:g} ms, MFU {mfu:g} of "
         f"{hw.peak_tflops:g} TFLOP/s; GPipe bubble {stages - 1}/{n_mb + stages - 1} = "

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from protocol_models.boundary import BOUNDARIES
+from protocol_models import plan
 from protocol_models.config import load_config
 from protocol_models.wire import codec_for
 from protocol_models.wire.sizes import message_bytes
@@ -139,13 +139,10 @@ def wire_bytes(toml: Path, over: list[str]) -> dict:
 
 def sync_bytes(toml: Path, over: list[str]) -> int:
     """Bytes one training step exchanges over all boundaries apart from the activation wire
-    (``boundary.BoundaryMethod.sync_values``, fp32: MAPL's gradient and codebook exchange;
+    (``plan.sync_bytes``: MAPL's gradient and codebook exchange;
     tested equal to what a pipelined run meters as ``wire/sync_bytes``)."""
     config = load_config(str(toml), over, check_environment=False)
-    method = BOUNDARIES.get(config.protocol.mode)
-    values = method.sync_values(config.model.dim, config.model.vocab_size, config.protocol) \
-        if method else 0  # fmt: skip
-    return 4 * values * (config.layout_stages - 1)
+    return sum(plan.sync_bytes(config)) * (config.layout_stages - 1)
 
 
 def run_all(
