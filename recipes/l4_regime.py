@@ -135,8 +135,9 @@ def main() -> None:
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
     if args.quick:  # keep the harness check's tiny runs out of the shared study cache
         common.RUN_CACHE = args.out / "runs" / "cache"
-    base = {name: final_loss(over, quick, QUICK_BUDGETS[0]) for name, over in arms.items()}
-    if not args.quick:  # the frontier's 300-step runs (the dense twin: its two seeds' mean)
+    if args.quick:
+        base = {name: final_loss(over, quick, QUICK_BUDGETS[0]) for name, over in arms.items()}
+    else:  # the frontier's 300-step runs (the dense twin: its two seeds' mean)
         base = {name: frontier["runs"][name]["seeds"]["0"]["val_curve"][-1][1] for name in arms}
         base["dense"] = frontier["runs"]["dense"]["final_val_loss"]
     target = base["dense"]
