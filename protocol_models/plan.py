@@ -447,8 +447,10 @@ def _microbatching(config) -> tuple[int, int, int]:
 
 
 def _label(config) -> str:
+    """The mode's label, with its bits where its codec quantizes (not the dense twin's)."""
     protocol, bits = config.protocol, config.codec.bits
-    return label(protocol.mode, protocol.k) + (f" {bits}-bit" if bits else "")
+    quantized = bits and getattr(codec_for(config), "bits", None) == bits
+    return label(protocol.mode, protocol.k) + (f" {bits}-bit" if quantized else "")
 
 
 def render(
