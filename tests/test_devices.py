@@ -12,33 +12,41 @@ from conftest import REPO, TINY, torchrun
 
 from protocol_models.subspace import leak_tolerance
 
-# tests/tiny.toml: local_batch_size 4, microbatch 1, seq_len 64, d 64, k 4
-COORDINATES = {"subspace": 4 * 64 * 4, "dense": 4 * 64 * 64, "resbm": 4 * 64 * 4,
-               "mapl": 4 * 64 * 4}  # fmt: skip
-"""Boundary coordinates per step and direction (tokens x width)."""
+# tests/tiny.toml: local_batch_size 4, microbatch 1, seq_len 64, d 64, k 4: 256 tokens per step
+WIRES = {
+    "subspace": ([], 256 * 4 * 2),
+    "subspace 8-bit": (["--codec.bits", "8"], 256 * (4 + 2)),
+    "dense": (["--protocol.mode", "dense"], 256 * 64 * 2),
+    "resbm": (["--protocol.mode", "resbm"], 256 * 4 * 2),
+    "mapl": (["--protocol.mode", "mapl"], 256 * 4 * 2),
+}
+"""Overrides, and the bytes per step and direction at boundary 0 under bf16: tokens x width x 2,
+or, with 8-bit coordinates, tokens x (k one-byte codes + a bf16 scale)."""
 
 
-@pytest.mark.parametrize("mode", list(COORDINATES))
-def test_bf16_mixed_precision_wire(tmp_path, mode):
+@pytest.mark.parametrize("wire", list(WIRES))
+def test_bf16_mixed_precision_wire(tmp_path, wire):
     """As on GPU: TorchTitan wraps every stage in FSDP with bf16 parameters (even at data
     parallel degree 1). Stage 0 must compute in bf16 and the wire must carry bf16: exactly 2
     bytes per coordinate (absolute bytes: the meter's ratio would hide a dtype mistake, since
-    dense is counted in the same dtype)."""
+    dense is counted in the same dtype); quantized coordinates keep their packed size."""
+    overrides, sent = WIRES[wire]
     records, output = torchrun(
-        2, tmp_path / "run", "--protocol.mode", mode, "--training.steps", "10",
+        2, tmp_path / "run", *overrides, "--training.steps", "10",
         "--training.mixed_precision_param", "bfloat16", return_output=True,
     )  # fmt: skip
     assert "boundary 0 carries bfloat16" in output
     for r in records:
-        assert r["wire/fwd_bytes/b0"] == r["wire/bwd_bytes/b0"] == 2 * COORDINATES[mode]
+        assert r["wire/fwd_bytes/b0"] == r["wire/bwd_bytes/b0"] == sent
     assert records[-1]["loss"] < records[0]["loss"] - 0.1
-    if mode == "subspace":
+    if wire == "subspace":
         assert all(r["subspace/leak"] < leak_tolerance(torch.bfloat16) for r in records)
         assert max(r["subspace/leak"] for r in records) > leak_tolerance(torch.float32)
 
 
 PROBED_RUNS = {
     "subspace updates": ["--protocol.update_every", "2"],
+    "subspace 8-bit": ["--codec.bits", "8"],
     "mapl rvq": ["--protocol.mode", "mapl", "--protocol.rvq_stages", "2",
                  "--protocol.rvq_codebook", "16"],
 }  # fmt: skip
@@ -49,8 +57,9 @@ def test_collectives_get_training_device_tensors(tmp_path, run):
     """Every tensor the plugin hands to a collective lives on the training device: the probe
     (tests/collective_probe) moves tensors created without a device to ``meta`` inside the
     plugin's collective call sites and checks each collective's tensors (a short pipelined run
-    with the link simulator and a log every step, with subspace updates, or MAPL with RVQ: its
-    gradient and codebook exchange and its health metrics)."""
+    with the link simulator and a log every step, with subspace updates, 8-bit coordinates (the
+    packed codes and scales), or MAPL with RVQ: its gradient and codebook exchange and its health
+    metrics)."""
     log = tmp_path / "probe.log"
     env = {
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
