@@ -9,8 +9,9 @@ real launch), then prints what decides whether the real run will work:
 
 * per pipeline stage, the peak device memory next to the planner's estimate and the card's
   usable memory;
-* the bytes per coordinate each boundary carried (2 for a bf16 wire, 4 for fp32) and the
-  measured compression;
+* the bytes per coordinate each boundary carried (2 for a bf16 wire, 4 for fp32; with
+  ``[codec] bits``, the packed codes and the per-token bf16 scale: 1.05 for the production
+  configs' k = 40 at 8 bits) and the measured compression;
 * steady tokens/s (the steps after the first two, which include start-up);
 * that point-to-point traffic between stages and the data path worked (the steps completed).
 

@@ -223,8 +223,9 @@ def main() -> None:
     tokens = config.training.local_batch_size * config.training.seq_len * boundaries
     on = frontier(runs, tokens)
     second = [] if args.one_seed else [dict(a, seeds=[1]) for a in arms if a["name"] in on]
-    for name, entry in gather(second).items():
-        runs[name]["seeds"].update(entry["seeds"])
+    measured = [dict(a, seeds=[1]) for a in arms if a["name"] in runs and a["name"] not in on]
+    for name, entry in (gather(second) | run_all(measured, toml, quick_over, True, stored)).items():
+        runs[name]["seeds"].update(entry["seeds"])  # and the second seeds measured anyway
     summarize(runs)
     meta = {
         "quick": args.quick,

@@ -14,6 +14,7 @@ from conftest import TINY, torchrun
 from protocol_models import subspace
 from protocol_models.config import ConfigError, load_config
 from protocol_models.trainer import protocol_identity
+from protocol_models.wire import codec_for
 from protocol_models.wire.codecs import CodecSettings, apply_boundary, build_codec
 from protocol_models.wire.sizes import message_bytes
 
@@ -204,12 +205,25 @@ def test_subspace_codec_is_exact_and_lowrank_is_not():
          "codec.bits = 4: protocol.k = 3 must be a multiple of 2"),
         (["--protocol.mode", "dense", "--codec.bits", "4"],
          "codec.bits = 4: protocol.mode = 'dense' does not read it"),
+        (["--protocol.mode", "quant", "--codec.bits", "0"],
+         "codec.bits = 0: protocol.mode = 'quant' needs 2, 4 or 8"),
     ],
 )  # fmt: skip
 def test_codec_config_errors_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(str(TINY), overrides, check_environment=False)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["subspace", "dense"])
+def test_bits_zero_is_the_exact_wire(mode):
+    """``[codec] bits = 0`` undoes a base config's quantizer (the production configs quantize,
+    their dense twins inherit the table): no codec, the same run as without the key."""
+    exact = load_config(str(TINY), ["--protocol.mode", mode], check_environment=False)
+    zero = load_config(str(TINY), ["--protocol.mode", mode, "--codec.bits", "0"],
+                       check_environment=False)  # fmt: skip
+    assert codec_for(zero) is None
+    assert protocol_identity(zero) == protocol_identity(exact)
 
 
 def test_stages_must_agree_on_the_codec_in_lossy_modes():

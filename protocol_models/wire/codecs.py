@@ -98,10 +98,11 @@ class CodecSettings:
     """``topk``: values kept per token (fp32 wire: ``6 K`` bytes vs ``4 d``)."""
     topk_backward: Literal["topk", "straight_through"] = "topk"
     """``topk``: TopK of the gradient, or the gradient at the forward's indices."""
-    bits: Literal[2, 4, 8] | None = None
+    bits: Literal[0, 2, 4, 8] | None = None
     """Bits per coordinate on the wire, bit-packed. ``quant``: of ``x`` (default 8; ``d`` must be
     a multiple of ``8 / bits``); ``subspace``: of the k coordinates (``k`` must be a multiple of
-    ``8 / bits``; unset: the exact wire). Other modes refuse it."""
+    ``8 / bits``; unset or 0: the exact wire). Other modes refuse 2, 4 or 8; 0 (no quantizer)
+    lets a config without a quantizer, such as a dense twin, undo a base config's bits."""
     rank: int = 8
     """``lowrank``: coordinates per token (``P`` is ``[d, rank]``); ``svd``: rank per microbatch."""
     seed: int = 4321
@@ -112,13 +113,13 @@ class CodecSettings:
         """These settings against ``protocol.mode`` at width ``dim``, subspace rank ``k`` and
         ``microbatch_tokens`` tokens per microbatch (a codec's ``check``)."""
         bits = self.bits
-        if bits is not None and "bits" not in self._keys(mode):
+        if bits and "bits" not in self._keys(mode):
             readers = ["subspace", *(name for name, c in CODECS.items() if "bits" in c.settings)]
             raise ConfigError(
                 f"codec.bits = {bits}: protocol.mode = {mode!r} does not read it (only "
-                f"{' and '.join(repr(r) for r in readers)} do)"
+                f"{' and '.join(repr(r) for r in readers)} do; codec.bits = 0 turns it off)"
             )
-        if mode == "subspace" and bits is not None:
+        if mode == "subspace" and bits:
             require(
                 k % (8 // bits) == 0,
                 f"codec.bits = {bits}: protocol.k = {k} must be a multiple of {8 // bits} to "
@@ -137,7 +138,7 @@ class CodecSettings:
         coordinates are quantized."""
         if mode in CODECS:
             return CODECS[mode].settings
-        if mode == "subspace" and self.bits is not None:
+        if mode == "subspace" and self.bits:
             return Quant.settings
         return ()
 
@@ -283,6 +284,7 @@ class Quant(Codec):
 
     @classmethod
     def check(cls, settings, dim, microbatch_tokens):
+        require(settings.bits != 0, "codec.bits = 0: protocol.mode = 'quant' needs 2, 4 or 8")
         bits = settings.bits or 8
         require(
             dim % (8 // bits) == 0,
@@ -442,7 +444,7 @@ class TruncatedSVD(Codec):
 def build_codec(mode: str, settings: CodecSettings, dim: int, protocol_seed: int) -> Codec | None:
     """The codec of ``[protocol] mode``: a lossy mode's; ``quant`` on the k coordinates for
     ``subspace`` with ``[codec] bits``; None for the exact wire (``dense``, plain ``subspace``)."""
-    if mode == "subspace" and settings.bits is not None:
+    if mode == "subspace" and settings.bits:
         return Quant(settings.bits, settings.seed)
     if mode not in CODECS:
         return None
