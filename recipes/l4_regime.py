@@ -4,6 +4,8 @@ share of a 2B model on L4 GPUs at 80, 200 and 1000 Mbit/s (+ 50 ms).
     python recipes/l4_regime.py                 # the study (link-off step, timing, long runs)
     python recipes/l4_regime.py --quick         # tiny model, few steps: checks the harness
     python recipes/l4_regime.py --render-only   # table and plot from an existing results.json
+    python recipes/l4_regime.py --reuse-timing [--cached-only]   # the step times of the existing
+        # results.json, then the budget search (--cached-only: from the finished runs only)
 
 1. **The emulated links.** The dense twin's link-off step of the pipelined reference workload
    (4 processes, gloo) is measured; ``protocol_models.emulate`` turns it, with the planner's
@@ -42,6 +44,7 @@ from recipes import common
 from recipes.common import (
     REFERENCE,
     REPO,
+    run_folder,
     steady_step_time,
     steps_to_reach,
     timing_overrides,
@@ -101,6 +104,16 @@ def main() -> None:
     parser.add_argument("--render-only", action="store_true")
     parser.add_argument("--arms", nargs="+", metavar="NAME",
                         help="frontier arm names instead of the two picks")  # fmt: skip
+    parser.add_argument(
+        "--reuse-timing",
+        action="store_true",
+        help="take the link-off step and step times of the existing results.json",
+    )
+    parser.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="budget search over the finished runs only (trains nothing)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.render_only:
@@ -114,25 +127,14 @@ def main() -> None:
             "dense": arms["dense"],
             **{n: arm_overrides(frontier["runs"][n]) for n in args.arms},
         }
-    reference = load_config(str(REFERENCE), quick, check_environment=False)
-    target = load_config(str(TARGET), [], check_environment=False)
-    timing_steps = 6 if args.quick else TIMING_STEPS
-    step_off = link_off_step(args.out / "runs", quick, 12 if args.quick else 45)
-    results: dict = {"meta": {"quick": args.quick, "target": str(TARGET.relative_to(REPO)),
-                              "latency_ms": LATENCY_MS, "link_off_step_s": step_off},
-                     "links": {}, "step_s": {}, "steady": {}, "steps_to_target": {}}  # fmt: skip
-    for mbps in BANDWIDTHS:
-        link = emulated_link(target, mbps, LATENCY_MS, reference, step_off)
-        results["links"][str(int(mbps))] = vars(link)
-        wan = ["--wan.bandwidth_mbps", f"{link.bandwidth_mbps:.6g}",
-               "--wan.latency_ms", f"{link.latency_ms:.6g}"]  # fmt: skip
-        for name, over in arms.items():
-            records = train(args.out / "runs" / f"{name}/{int(mbps)}",
-                            [*quick, *over, *wan, *timed(timing_steps)])  # fmt: skip
-            step_s, steady = steady_step_time(records, window=TIMING_WINDOW)
-            results["step_s"][f"{name}/{int(mbps)}"] = step_s
-            results["steady"][f"{name}/{int(mbps)}"] = steady
-            (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.reuse_timing:
+        results = json.loads((args.out / "results.json").read_text())
+        timed_arms = {key.rsplit("/", 1)[0] for key in results["step_s"]}
+        if set(arms) != timed_arms:
+            parser.error(f"--reuse-timing: results.json timed {sorted(timed_arms)}, not "
+                         f"{sorted(arms)}")  # fmt: skip
+    else:
+        results = time_arms(arms, quick, args.out)
     if args.quick:  # keep the harness check's tiny runs out of the shared study cache
         common.RUN_CACHE = args.out / "runs" / "cache"
     if args.quick:
@@ -144,32 +146,65 @@ def main() -> None:
     budgets = QUICK_BUDGETS if args.quick else BUDGETS
     results["meta"].update(target_loss=target, base_steps=budgets[0])
     results["steps_to_target"] = {
-        name: budget_search(over, quick, budgets, base[name], target) for name, over in arms.items()
+        name: budget_search(over, quick, budgets, base[name], target, args.cached_only)
+        for name, over in arms.items()
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     report(results, args.out)
 
 
+def time_arms(arms: dict[str, list[str]], quick: list[str], out: Path) -> dict:
+    """The link-off step, the emulated links and every arm's step time on each (the module
+    docstring's steps 1 and 2), saved to ``out/results.json`` as they come."""
+    reference = load_config(str(REFERENCE), quick, check_environment=False)
+    target = load_config(str(TARGET), [], check_environment=False)
+    timing_steps = 6 if quick else TIMING_STEPS
+    step_off = link_off_step(out / "runs", quick, 12 if quick else 45)
+    results: dict = {"meta": {"quick": bool(quick), "target": str(TARGET.relative_to(REPO)),
+                              "latency_ms": LATENCY_MS, "link_off_step_s": step_off},
+                     "links": {}, "step_s": {}, "steady": {}, "steps_to_target": {}}  # fmt: skip
+    for mbps in BANDWIDTHS:
+        link = emulated_link(target, mbps, LATENCY_MS, reference, step_off)
+        results["links"][str(int(mbps))] = vars(link)
+        wan = ["--wan.bandwidth_mbps", f"{link.bandwidth_mbps:.6g}",
+               "--wan.latency_ms", f"{link.latency_ms:.6g}"]  # fmt: skip
+        for name, over in arms.items():
+            records = train(out / "runs" / f"{name}/{int(mbps)}",
+                            [*quick, *over, *wan, *timed(timing_steps)])  # fmt: skip
+            step_s, steady = steady_step_time(records, window=TIMING_WINDOW)
+            results["step_s"][f"{name}/{int(mbps)}"] = step_s
+            results["steady"][f"{name}/{int(mbps)}"] = steady
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
 def budget_search(over: list[str], quick: list[str], budgets: list[int], base_loss: float,
-                  target: float) -> dict:  # fmt: skip
+                  target: float, cached_only: bool = False) -> dict:  # fmt: skip
     """Train budgets ``budgets[1:]`` in turn until one ends at or below ``target``; the steps to
     target interpolate linearly between the budgets around the crossing (None: not reached at
-    the largest budget). ``(budget, final validation loss)`` pairs are kept."""
+    the largest budget). ``(budget, final validation loss)`` pairs are kept. ``cached_only``:
+    stop at the first budget not trained yet, kept as ``pending``."""
     points = [(budgets[0], base_loss)]
     for budget in budgets[1:]:
         if points[-1][1] <= target:
             break
-        points.append((budget, final_loss(over, quick, budget)))
+        loss = final_loss(over, quick, budget, cached_only)
+        if loss is None:
+            return {"budgets": points, "steps": None, "pending": budget}
+        points.append((budget, loss))
     return {"budgets": points, "steps": steps_to_reach(points, target)}
 
 
-def final_loss(over: list[str], quick: list[str], steps: int) -> float:
+def final_loss(over: list[str], quick: list[str], steps: int, cached_only: bool = False):
     """The final validation loss of a one-process run of ``over`` (seed 0, Muon) with a budget
-    of ``steps`` (its own warm-up and decay), through the run cache."""
+    of ``steps`` (its own warm-up and decay), through the run cache (``cached_only``: None
+    unless that run has finished)."""
     quick_val = ["--validator.freq", str(steps), "--validator.steps", "2"] if quick else []
-    folder = train_cached([*quick, *quick_val, *over, "--training.steps", str(steps),
-                           "--optimizer.name", OPTIMIZER, "--debug.seed", "0"])  # fmt: skip
-    return validation_curve(folder)[-1][1]
+    over = [*quick, *quick_val, *over, "--training.steps", str(steps),
+            "--optimizer.name", OPTIMIZER, "--debug.seed", "0"]  # fmt: skip
+    if cached_only and not (run_folder(over) / "done").is_file():
+        return None
+    return validation_curve(train_cached(over))[-1][1]
 
 
 def t_rows(results: dict) -> list[dict]:
@@ -203,19 +238,25 @@ def render_table(results: dict) -> str:
     for row in t_rows(results):
         link = results["links"][str(row["mbps"])]
         reached = row["steps"] is not None
-        budgets = results["steps_to_target"][row["arm"]]["budgets"]
+        reach = results["steps_to_target"][row["arm"]]
+        missing = f"not within {reach['budgets'][-1][0]}" + (
+            f" ({reach['pending']} not run yet)" if "pending" in reach else ""
+        )
+        steady = results.get("steady", {}).get(f"{row['arm']}/{row['mbps']}", True)
         lines.append(
             f"| {row['mbps']} Mbit/s | {link['bandwidth_mbps']:.3g} Mbit/s + "
             f"{link['latency_ms']:.0f} ms | {row['arm']} | "
-            + (f"{row['steps']:.0f}" if reached else f"not within {budgets[-1][0]}")
-            + f" | {row['step_s']:.2f} s | "
+            + (f"{row['steps']:.0f}" if reached else missing)
+            + f" | {row['step_s']:.2f} s{'' if steady else '*'} | "
             + (
                 f"{row['T_s']:,.0f} s | {row['T_l4_s']:,.0f} s | {row['speedup']:.1f}x |"
                 if reached
                 else "— | — | — |"
             )  # fmt: skip
         )
-    lines += ["", "Budgets tried (steps: final validation loss, seed 0):", ""]
+    lines += ["", f"`*`: no three consecutive {TIMING_WINDOW}-step windows agreed within 1%; "
+              "the median of the last three.", "",
+              "Budgets tried (steps: final validation loss, seed 0):", ""]  # fmt: skip
     for name, reach in results["steps_to_target"].items():
         tried = ", ".join(f"{b}: {loss:.3f}" for b, loss in reach["budgets"])
         lines.append(f"- {name}: {tried}")
