@@ -52,7 +52,7 @@ from recipes.common import (
     train_cached,
     validation_curve,
 )
-from recipes.compare import OPTIMIZER
+from recipes.compare import FRONTIER, OPTIMIZER
 
 TARGET = REPO / "configs" / "llama3_2b_protocol.toml"
 BANDWIDTHS = [80.0, 200.0, 1000.0]
@@ -62,7 +62,7 @@ BUDGETS = [300, 450, 600, 900]
 QUICK_BUDGETS = [12, 18, 24]
 TIMING_STEPS = 8
 TIMING_WINDOW = 2
-FRONTIER = REPO / "results" / "frontier" / "results.json"
+
 QUICK = ["--model.dim", "64", "--model.n_layers", "4", "--training.seq_len", "64"]
 
 
