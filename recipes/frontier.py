@@ -246,7 +246,7 @@ def main() -> None:
         f"({PARALLEL_RUNS} at a time), in-graph codecs at the 4-stage layout's boundaries"
         if not args.quick else "CPU (quick harness check)",
         "frontier": frontier(runs, tokens),
-        "seed1_arms": second,
+        "seed1_arms": [n for n in second if "1" in runs[n]["seeds"]],  # trained or found
         "not_run": [a["name"] for a in arms if a["name"] not in runs],
         "recipe_wall_s": None if args.cached_only or args.only else time.time() - started,
     }  # fmt: skip

@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument(
         "--cached-only",
         action="store_true",
-        help="budget search over the finished runs only (trains nothing)",
+        help="budget search over the finished runs only (no budget run is trained; arms "
+        "--reuse-timing lacks are still timed)",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +132,9 @@ def main() -> None:
         }
     if args.reuse_timing:
         results = json.loads((args.out / "results.json").read_text())
+        if results["meta"]["quick"] != args.quick:
+            parser.error(f"--reuse-timing: {args.out / 'results.json'} holds "
+                         f"{'quick' if results['meta']['quick'] else 'full'} timings")  # fmt: skip
         untimed = {n: over for n, over in arms.items() if not timed_on_every_link(results, n)}
         time_on_links(results, untimed, quick, args.out)
     else:
@@ -180,7 +184,7 @@ def time_on_links(results: dict, arms: dict[str, list[str]], quick: list[str], o
             records = train(out / "runs" / f"{name}/{mbps}", [*quick, *over, *wan, *timed(steps)])
             step_s, steady = steady_step_time(records, window=TIMING_WINDOW)
             results["step_s"][f"{name}/{mbps}"] = step_s
-            results["steady"][f"{name}/{mbps}"] = steady
+            results.setdefault("steady", {})[f"{name}/{mbps}"] = steady
             (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
