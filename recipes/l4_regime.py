@@ -176,11 +176,11 @@ def time_arms(arms: dict[str, list[str]], quick: list[str], out: Path) -> dict:
 def time_on_links(results: dict, arms: dict[str, list[str]], quick: list[str], out: Path) -> None:
     """Each arm's steady step time on each of ``results``' emulated links, added to ``results``
     and saved to ``out/results.json`` as they come."""
+    steps = 6 if quick else TIMING_STEPS
     for mbps, link in results["links"].items():
         wan = ["--wan.bandwidth_mbps", f"{link['bandwidth_mbps']:.6g}",
                "--wan.latency_ms", f"{link['latency_ms']:.6g}"]  # fmt: skip
         for name, over in arms.items():
-            steps = 6 if quick else TIMING_STEPS
             records = train(out / "runs" / f"{name}/{mbps}", [*quick, *over, *wan, *timed(steps)])
             step_s, steady = steady_step_time(records, window=TIMING_WINDOW)
             results["step_s"][f"{name}/{mbps}"] = step_s
