@@ -229,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     """Check a config. On success print ``nproc=<N>`` (processes the run needs),
     ``device=<cuda|cpu>`` and ``prepare_data=<0|1>`` (whether ``python -m protocol_models.prepare``
     has work to do before the workers start: the bundled data or a map-style corpus to
-    tokenize); on failure print one ``error:`` line to stderr and return 2."""
+    tokenize); on failure print one ``error:`` line to stderr and return 2. With
+    ``[transport] link_mbps`` and ``link_latency_ms`` stated, a node whose TCP settings would slow
+    that link gets one ``warning:`` line on stderr with the ``sysctl`` command that fixes them."""
     from protocol_models import data
+    from protocol_models.wire.transport import tcp_advice
 
     toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
     try:
@@ -242,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device={config.hardware.device}")
     prepare = not config.dataloader.streaming or data.bundled_data_pending(config)
     print(f"prepare_data={int(prepare)}")
+    transport = config.transport
+    advice = transport.link_stated and tcp_advice(transport.link_mbps, transport.link_latency_ms)
+    if advice:
+        print(advice, file=sys.stderr)
     return 0
 
 

@@ -217,10 +217,10 @@ class ProtocolMetricsProcessor(MetricsProcessor):
                 sink.log_text(samples, step)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        loss, max_loss = self._from_last_stage([global_avg_loss, global_max_loss])
+        agreed = self._agree_over_pipeline(global_avg_loss, global_max_loss, step)
+        loss, max_loss = agreed.pop("loss"), agreed.pop("max_loss")
         metrics = dict(extra_metrics or {})
-        metrics.update(self._wire_metrics())
-        metrics.update(self._data_metrics(step))
+        metrics.update(agreed)
         subspace = getattr(self.optimizers, "subspace", None)
         if subspace is not None:  # subspace updates on: angle of the latest, count, U's health
             metrics.update(subspace.metrics())
@@ -246,79 +246,126 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         dist.broadcast(t, group=group, group_src=dist.get_world_size(group) - 1)
         return t.tolist()
 
-    def _wire_metrics(self) -> dict[str, float]:
-        """Per-step totals and per-boundary bytes (``wire/fwd_bytes/b0`` is boundary 0 -> 1),
-        the max leak over boundaries, the link's counters and each stage's peak memory, agreed
-        over the pipeline group in two collectives on the training device (log steps only)."""
+    def _agree_over_pipeline(self, loss: float, max_loss: float, step: int) -> dict[str, float]:
+        """The log step's figures agreed over the pipeline group in **one** all-gather of one
+        float64 row per stage (on the training device; the ids checksum travels as its int64
+        bits): the loss from the last stage (the only one that computes it), the wire counters
+        summed over stages (each stage counts what it sends, and what it waited for), the max
+        leak over boundaries and each stage's peak memory; the stages' token-id checksums must
+        agree (``_check_ids``). Returns ``loss``, ``max_loss`` and the ``wire/*``, ``wan/*``,
+        ``subspace/leak``, ``memory/*`` and ``data/*`` metrics."""
         group = self._pp_group()
-        if self.wire is None or group is None:
-            return {}
-        meter, link = self.wire.meter, self.wire.link
+        checksum = self.ids_checksum.pop()
+        if group is None:
+            metrics = {"loss": loss, "max_loss": max_loss}
+            if checksum is not None:
+                metrics["data/ids_checksum"] = int(checksum) % 2**24
+            return metrics
         device = get_local_device()
-        n_stages = self.parallel_dims.pp
-        boundaries = range(n_stages - 1)
-        meters = (meter.fwd, meter.bwd, meter.dense, meter.sync)
-        counts = [[float(c[b]) for b in boundaries] for c in meters]
-        waits = [link.wait_s, link.wire_s] if link is not None else [0.0, 0.0]
-        sums = torch.tensor([value for row in counts for value in row] + waits,
-                            dtype=torch.float64, device=device)  # fmt: skip
-        dist.all_reduce(sums, group=group)
-        leaks = [m.pop_boundary_leak() for m in self.model_parts or []]
-        leaks = [v.detach().reshape(()).to(device, torch.float64) for v in leaks if v is not None]
-        peak = torch.zeros(n_stages, dtype=torch.float64, device=device)
-        peak[dist.get_group_rank(group, dist.get_rank())] = _peak_memory_bytes()
-        no_leak = torch.full((1,), -1.0, dtype=torch.float64, device=device)
-        maxima = torch.cat([torch.stack(leaks).max().reshape(1) if leaks else no_leak, peak])
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        meter, link = self.wire.meter, self.wire.link
+        meter.collective("metrics", dist.get_world_size(group) - 1)
+        row = _StageRow(self.parallel_dims.pp - 1)
+        mine = row.pack(meter, link, loss, max_loss, self._leak(), _peak_memory_bytes(),
+                        checksum, device)  # fmt: skip
+        stages = dist.get_world_size(group)
+        rows = torch.empty(stages * mine.numel(), dtype=mine.dtype, device=device)
+        dist.all_gather_single(rows, mine, group=group)
+        rows = rows.view(stages, mine.numel())
+        if link is not None:
+            link.collective(dist.get_world_size(group) - 1)
+        return row.agree(rows, step, has_link=link is not None, has_ids=checksum is not None)
 
-        sums, maxima = sums.tolist(), maxima.tolist()
-        width = len(boundaries)
-        fwd_b, bwd_b, dense_b, sync_b = (sums[i * width : (i + 1) * width] for i in range(4))
-        fwd, bwd, dense = sum(fwd_b), sum(bwd_b), sum(dense_b)
+    def _leak(self) -> torch.Tensor | None:
+        """The largest leak this stage measured over its boundaries (a device scalar), or None."""
+        leaks = [m.pop_boundary_leak() for m in self.model_parts or []]
+        leaks = [v.detach().reshape(()).to(torch.float64) for v in leaks if v is not None]
+        return torch.stack(leaks).max() if leaks else None
+
+
+class _StageRow:
+    """The layout of the one float64 row each stage contributes to a log step's all-gather,
+    for a pipeline of ``n_boundaries + 1`` stages: what ``pack`` writes and ``agree`` reads."""
+
+    COUNTERS = ("fwd", "bwd", "dense", "sync")
+    """Per-boundary byte counters of ``WireMeter``, summed over stages."""
+
+    def __init__(self, n_boundaries: int):
+        self.boundaries = range(n_boundaries)
+        self.keys = [(d, b) for d in ("fwd", "bwd") for b in self.boundaries]
+
+    def pack(self, meter, link, loss, max_loss, leak, peak, checksum, device) -> torch.Tensor:
+        values = [loss, max_loss, peak, float(sum(meter.collectives.values())),
+                  float(meter.collective_rounds)]  # fmt: skip
+        values += [float(getattr(meter, c)[b]) for c in self.COUNTERS for b in self.boundaries]
+        values += [float(meter.messages[key]) for key in self.keys]
+        values += [meter.wait_s[key] for key in self.keys]
+        values += [link.wait_s, link.wire_s, link.collective_s] if link else [0.0, 0.0, 0.0]
+        head = torch.tensor(values, dtype=torch.float64, device=device)
+        no_leak = torch.full((1,), -1.0, dtype=torch.float64, device=device)
+        ids = torch.zeros((), dtype=torch.int64, device=device) if checksum is None else checksum
+        return torch.cat([head, no_leak if leak is None else leak.to(device).reshape(1),
+                          ids.reshape(1).view(torch.float64)])  # fmt: skip
+
+    def agree(self, rows: torch.Tensor, step: int, *, has_link: bool, has_ids: bool) -> dict:
+        """The metrics from every stage's row (``rows``: ``[stages, width]``; one host read)."""
+        ids = rows[:, -1].contiguous().view(torch.int64).tolist()
+        table = rows[:, :-1].tolist()
+        last = table[-1]
+        columns = iter(range(5, len(last)))
+
+        def total() -> float:  # the next column, summed over stages
+            column = next(columns)
+            return sum(r[column] for r in table)
+
+        counters = {c: [total() for _ in self.boundaries] for c in self.COUNTERS}
+        messages = {key: total() for key in self.keys}
+        waits = {key: total() for key in self.keys}
+        link_sums = [total() for _ in range(3)]
+        fwd, bwd, dense = (sum(counters[c]) for c in ("fwd", "bwd", "dense"))
         metrics = {
+            "loss": last[0],
+            "max_loss": last[1],
             "wire/fwd_bytes": fwd,
             "wire/bwd_bytes": bwd,
             "wire/dense_bytes": dense,
             "wire/compression_ratio": dense / (fwd + bwd) if fwd + bwd else 0.0,
+            "wire/messages": sum(messages.values()),
+            "wire/collectives": max(r[3] for r in table),
+            "wire/collective_rounds": max(r[4] for r in table),
         }
-        for b in boundaries:
-            metrics[f"wire/fwd_bytes/b{b}"] = fwd_b[b]
-            metrics[f"wire/bwd_bytes/b{b}"] = bwd_b[b]
-            sent = fwd_b[b] + bwd_b[b]
-            metrics[f"wire/compression_ratio/b{b}"] = dense_b[b] / sent if sent else 0.0
-        if any(sync_b):
-            metrics["wire/sync_bytes"] = sum(sync_b)
-        if maxima[0] >= 0:
-            metrics["subspace/leak"] = maxima[0]
-        for s, value in enumerate(maxima[1:]):
-            metrics[f"memory/peak_gib/s{s}"] = value / 1024**3
-        if link is not None:
-            metrics["wan/wait_s"], metrics["wan/wire_s"] = sums[-2:]
+        for b in self.boundaries:
+            metrics[f"wire/fwd_bytes/b{b}"] = counters["fwd"][b]
+            metrics[f"wire/bwd_bytes/b{b}"] = counters["bwd"][b]
+            sent = counters["fwd"][b] + counters["bwd"][b]
+            metrics[f"wire/compression_ratio/b{b}"] = counters["dense"][b] / sent if sent else 0.0
+            for d in ("fwd", "bwd"):
+                metrics[f"wire/messages/{d}/b{b}"] = messages[(d, b)]
+                metrics[f"wire/recv_wait_s/{d}/b{b}"] = waits[(d, b)]
+        if any(counters["sync"]):
+            metrics["wire/sync_bytes"] = sum(counters["sync"])
+        leak = max(r[-1] for r in table)
+        if leak >= 0:
+            metrics["subspace/leak"] = leak
+        for s, r in enumerate(table):
+            metrics[f"memory/peak_gib/s{s}"] = r[2] / 1024**3
+        if has_link:
+            metrics["wan/wait_s"], metrics["wan/wire_s"], metrics["wan/collective_s"] = link_sums
+        if has_ids:
+            _check_ids(ids, step)
+            metrics["data/ids_checksum"] = ids[0] % 2**24
         return metrics
 
-    def _data_metrics(self, step: int) -> dict[str, int]:
-        """``data/ids_checksum``: the checksum of the ids trained on since the previous log
-        step (the low 24 bits, exact in any logger). The pipeline stages of a replica must
-        agree on all 64 bits -- ids never cross the wire, so each stage reads its own copy of
-        the data -- or the run stops with ``DataError``."""
-        checksum = self.ids_checksum.pop()
-        if checksum is None:
-            return {}
-        group = self._pp_group()
-        if group is not None:
-            extremes = torch.stack([checksum, -checksum])
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-            high, neg_low = extremes.tolist()
-            if high != -neg_low:
-                raise DataError(
-                    f"the pipeline stages of a replica trained on different token ids before step "
-                    f"{step} (checksums {-neg_low} .. {high}); every node must read the same "
-                    "[dataloader] files in the same order with the same tokenizer (hf_assets_path)"
-                )
-            value = high
-        else:
-            value = int(checksum)
-        return {"data/ids_checksum": value % 2**24}
+
+def _check_ids(checksums: list[int], step: int) -> None:
+    """The pipeline stages of a replica must have trained on the same token ids -- ids never
+    cross the wire, so each stage reads its own copy of the data -- or the run stops with
+    ``DataError``."""
+    if len(set(checksums)) > 1:
+        raise DataError(
+            f"the pipeline stages of a replica trained on different token ids before step "
+            f"{step} (checksums {min(checksums)} .. {max(checksums)}); every node must read the "
+            "same [dataloader] files in the same order with the same tokenizer (hf_assets_path)"
+        )
 
 
 def _leaf_loggers(logger: BaseLogger) -> list[BaseLogger]:

@@ -36,12 +36,9 @@ from functools import partial
 from typing import Literal
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.tools.logging import logger
-from torchtitan.tools.utils import get_local_device
 
 from protocol_models.errors import NonFiniteError, require
 from protocol_models.mapl import retract, tangent
@@ -304,11 +301,11 @@ def moment_keys(kind: str) -> set[str]:
 class GuardedOptimizers(OptimizersContainer):
     """TorchTitan's optimizer container that refuses non-finite steps.
 
-    Before each step every rank checks its gradients; the ranks agree (all-reduce) so the whole
-    job skips or stops together. A non-finite step is never applied: it is skipped (gradients
-    dropped) up to ``skip_nonfinite_steps`` times in a run, then ``NonFiniteError`` stops the run
-    before the step's checkpoint, so the last good checkpoint stays the newest one. The LR
-    schedule still advances on a skipped step.
+    Before each step every rank reads the global gradient norm (finite iff every gradient of
+    every rank is), so the whole job skips or stops together. A non-finite step is never
+    applied: it is skipped (gradients dropped) up to ``skip_nonfinite_steps`` times in a run,
+    then ``NonFiniteError`` stops the run before the step's checkpoint, so the last good
+    checkpoint stays the newest one. The LR schedule still advances on a skipped step.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -323,6 +320,9 @@ class GuardedOptimizers(OptimizersContainer):
     """The ``grassmann.SubspaceTracker`` when subspace updates are on (given by the model
     spec's ``post_optimizer_build_fn``): told about every applied (or skipped) step, right after
     the parameter update; the metrics processor logs its figures."""
+    reduced_grad_norm: torch.Tensor | None = None
+    """The step's global gradient norm (a device scalar), handed over by the trainer as the
+    clipping computed it, before ``step``."""
     boundary_sync = None
     """The ``mapl_sync.BoundarySync`` in ``mapl`` mode: it sums the two copies' gradients of
     every boundary before each step (before the finiteness check), so both copies step alike."""
@@ -364,22 +364,12 @@ class GuardedOptimizers(OptimizersContainer):
         return None
 
     def _gradients_finite(self) -> bool:
-        """Whether every gradient of every rank is finite: each rank checks its local shards
-        (no per-parameter collective), then one all-reduce of one flag on the training device
-        and one host read per step."""
-        grads = [
-            g.to_local() if isinstance(g, DTensor) else g
-            for m in self.model_parts
-            for p in m.parameters()
-            if (g := p.grad) is not None
-        ]
-        if not grads:
-            flag = torch.ones((), device=get_local_device())
-        else:
-            flag = torch.stack([torch.isfinite(g).all() for g in grads]).all().float()
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag)
+        """Whether every gradient of every rank is finite, read from the global gradient norm
+        the step's clipping already reduced over every rank (``trainer.keeping_grad_norm``: the
+        pipeline all-reduce over the per-stage norms, each a full norm over its data-parallel
+        shards): a norm is finite iff every gradient it covers is. No collective of its own,
+        one host read per step."""
+        return bool(torch.isfinite(self.reduced_grad_norm))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -25,8 +26,10 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.components.validate import Validator
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
@@ -48,6 +51,8 @@ from protocol_models.samples import sample_at_validation
 from protocol_models.wire import Wire
 from protocol_models.wire.codecs import CodecSettings
 from protocol_models.wire.link import LinkSettings
+from protocol_models.wire.norm_exchange import NormExchange
+from protocol_models.wire.transport import TransportSettings
 
 
 def add_protocol_kwargs(
@@ -113,6 +118,7 @@ class ProtocolTrainer(Trainer):
         )
         validator: ProtocolValidator.Config = field(default_factory=ProtocolValidator.Config)
         wan: LinkSettings = field(default_factory=LinkSettings)
+        transport: TransportSettings = field(default_factory=TransportSettings)
         hardware: HardwareSettings = field(default_factory=HardwareSettings)
         codec: CodecSettings = field(default_factory=CodecSettings)
         dataloader: TextDataLoader.Config = field(default_factory=TextDataLoader.Config)
@@ -168,6 +174,11 @@ class ProtocolTrainer(Trainer):
         self.metrics_processor.wire = self.wire  # as TorchTitan hands it optimizers, model_parts
         self.check_stages_agree()
         self.table_digest = self.model_parts[0].table_sha256
+        self.norm_exchange = None
+        if self.parallel_dims.pp_enabled and config.transport.exchange_grad_norm:
+            group = self.parallel_dims.get_mesh("pp").get_group()
+            ranks = dist.get_process_group_ranks(group)
+            self.norm_exchange = NormExchange(ranks, self.device, self.wire.meter, self.wire.link)
 
     @property
     def subspace_tracker(self) -> SubspaceTracker | None:
@@ -274,9 +285,47 @@ class ProtocolTrainer(Trainer):
         measure = self.metrics_processor.should_log(self.step)
         for part in self.model_parts:
             part.start_leak_window(measure)
-        super().train_step(data_iterator)
+        with exchanging_grad_norm(self.optimizers, self.norm_exchange):
+            super().train_step(data_iterator)
         if measure:
             logger.info(self.progress.line(self.step))
+
+
+@contextlib.contextmanager
+def exchanging_grad_norm(optimizers, exchange: NormExchange | None):
+    """For one TorchTitan ``train_step``: its gradient clipping (``clip_grad_norm_``) reduces the
+    norm over the pipeline stages with ``exchange`` (``wire.norm_exchange``: no all-reduce on
+    the critical path across the slow links) instead of an all-reduce -- everything else as
+    TorchTitan does it (the norm over each stage's FSDP shards, then ``clip_grads_with_norm_``)
+    -- and hands the global norm to the optimizer container, whose non-finite guard reads it
+    instead of agreeing on a flag in a collective of its own. Without pipeline parallelism,
+    with expert parallelism or a norm other than 2, TorchTitan's own clipping runs."""
+    clip = dist_utils.clip_grad_norm_
+
+    def clip_exchanged(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                       foreach=None, pp_mesh=None, ep_enabled=False):  # fmt: skip
+        if exchange is None or pp_mesh is None or ep_enabled or norm_type != 2.0:
+            norm = clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh,
+                        ep_enabled)  # fmt: skip
+        else:
+            parameters = list(parameters)
+            grads = [p.grad for p in parameters if p.grad is not None]
+            local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+            if isinstance(local, DTensor):  # partial over the data-parallel shards
+                local = local.full_tensor()
+            norm = exchange.global_norm(local)
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach)
+        optimizers.reduced_grad_norm = norm
+        return norm
+
+    if exchange is not None:
+        exchange.post()
+    dist_utils.clip_grad_norm_ = clip_exchanged
+    try:
+        yield
+    finally:
+        dist_utils.clip_grad_norm_ = clip
+        optimizers.reduced_grad_norm = None
 
 
 class RankPlace(NamedTuple):

@@ -1,24 +1,29 @@
-"""The link simulator against a real shaped link: tokens/s of the same pipelined run both ways.
+"""The transport benchmark: the same pipelined run with the link off, over a real shaped link,
+and under the link simulator.
 
-    python recipes/real_link.py            # as root; full run: 17 min on a 2-core CPU
+    python recipes/real_link.py            # as root; full run: ~25 min on a 2-core CPU
     python recipes/real_link.py --quick    # exercises the whole harness in a few minutes
-    python recipes/real_link.py --sim-only # re-measure the simulator, keep the real runs (8 min)
+    python recipes/real_link.py --sim-only # re-measure the simulator, keep the real runs
+    python recipes/real_link.py --settings 80x50   # one link setting (Mbit/s x one-way ms)
 
 The workload is ``configs/debug_cpu.toml`` (d=256, 8 layers, 2 GPipe stages, 4 microbatches of
 2 x 256 tokens, validation off), once per mode (``dense`` and ``subspace`` k=8), at each link
 setting (bandwidth, one-way delay):
 
+* **link off**: two local processes, no link (the throughput a link should keep);
 * **real**: two ``torchrun`` nodes (``--nnodes 2``, one process each), one per network namespace
   of ``recipes.tun_relay``, the pipeline's gloo traffic (and the rendezvous store's) crossing a
-  userspace relay that shapes the rate and delays every packet; before the runs, the link is
-  probed (``recipes.link_probe``: UDP round trip, bulk TCP rate, the cost of one gloo message
-  posted before and after its send);
+  userspace relay that shapes the rate and delays every packet; each namespace first gets the
+  TCP settings ``protocol_models.wire.transport.tcp_fixes`` recommends for the link (recorded);
+  before the runs, the link is probed (``recipes.link_probe``: UDP round trip, bulk TCP rate,
+  the cost of one gloo message posted before and after its send);
 * **simulated**: two local processes, no relay, ``--wan.bandwidth_mbps/--wan.latency_ms``.
 
 Tokens/s uses the steady-state step time (``recipes.common.steady_step_time``, 5-step windows).
 ``--sim-only`` keeps the real runs and probes of an earlier ``results.json`` and moves its
 simulated runs to ``sim_before`` (with the commit they were measured at), so a change to the link
-model is judged against the same real measurements.
+model is judged against the same real measurements. Every worker runs with
+``OMP_NUM_THREADS=1``; results.json keeps each run's per-step times and losses.
 
 Writes ``results/real_link/{results.json,table.md,real_vs_simulated.png}``.
 """
@@ -56,16 +61,52 @@ def run_overrides(mode: str, steps: int, quick: bool) -> list[str]:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Steady step time (s), tokens/s and whether the windows agreed, from a run's records."""
+    """Steady step time (s), tokens/s and whether the windows agreed, from a run's records,
+    with its per-step times and losses."""
     step_s, steady = steady_step_time(records, window=WINDOW)
     tokens_per_step = records[-1]["n_tokens_seen"] / records[-1]["step"]
-    return {"step_s": step_s, "steady": steady, "tokens_per_s": tokens_per_step / step_s}
+    return {
+        "step_s": step_s,
+        "steady": steady,
+        "tokens_per_s": tokens_per_step / step_s,
+        "step_times": [r["time_metrics/end_to_end(s)"] for r in records],
+        "losses": [r["loss"] for r in records],
+    }
+
+
+def link_off(folder: Path, mode: str, steps: int, quick: bool) -> dict:
+    """One run with no link: two local processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    records = train(folder, run_overrides(mode, steps, quick), toml=TOML, nproc=2, env=env)
+    return summarize(records)
+
+
+def apply_tcp_fixes(shape: Shape) -> dict:
+    """Give both namespaces the TCP settings the config check recommends for ``shape``; returns
+    what was set, per namespace (a setting the kernel keeps global is noted as refused)."""
+    applied = {}
+    for side, ns in enumerate(tun_relay.NAMESPACES):
+        ask = (
+            "import json; from protocol_models.wire.transport import tcp_fixes; "
+            f"print(json.dumps(tcp_fixes({shape.mbps}, {shape.delay_ms})))"
+        )
+        out = subprocess.run(in_namespace(side, [sys.executable, "-c", ask]), cwd=REPO,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        fixes = json.loads(out.stdout)
+        applied[ns] = {}
+        for name, value in fixes.items():
+            done = subprocess.run(in_namespace(side, ["sysctl", "-q", "-w", f"{name}={value}"]),
+                                  capture_output=True)  # fmt: skip
+            applied[ns][name] = value if done.returncode == 0 else f"refused ({value})"
+    return applied
 
 
 def simulated(folder: Path, mode: str, shape: Shape, steps: int, quick: bool) -> dict:
     """One run with the link simulator: two local processes."""
     wan = ["--wan.bandwidth_mbps", str(shape.mbps), "--wan.latency_ms", str(shape.delay_ms)]
-    records = train(folder, [*run_overrides(mode, steps, quick), *wan], toml=TOML, nproc=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    records = train(folder, [*run_overrides(mode, steps, quick), *wan], toml=TOML, nproc=2,
+                    env=env)  # fmt: skip
     return summarize(records)
 
 
@@ -183,6 +224,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
     parser.add_argument("--sim-only", action="store_true", help="re-measure the simulator only")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "real_link")
+    every = [f"{m:g}x{d:g}" for m, d in SETTINGS]
+    parser.add_argument("--settings", nargs="+", default=every,
+                        help="link settings MBPSxMS (default: all)")  # fmt: skip
     args = parser.parse_args()
     problem = tun_relay.check_privileges()
     if problem and not args.sim_only:
@@ -200,17 +244,26 @@ def measure(args: argparse.Namespace, steps: int) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "results.json"
     started = time.time()
+    settings = [tuple(float(v) for v in s.split("x")) for s in args.settings]
+    fresh = {"quick": args.quick, "steps": steps, "window": WINDOW, "probes": {}, "real": {},
+             "off": {}, "tcp": {}, "sim": {}}  # fmt: skip
+    results = json.loads(path.read_text()) if path.is_file() else fresh
+    if results.get("quick") != args.quick or "off" not in results:
+        results = fresh  # another harness or an earlier version: start anew
     if args.sim_only:
-        results = json.loads(path.read_text())
-        results["sim_before"] = {"commit": results["sim_commit"], "runs": results["sim"]}
-    else:
-        results = {"quick": args.quick, "steps": steps, "window": WINDOW, "probes": {}, "real": {}}
-    results.update(sim={}, sim_commit=current_commit())
+        results["sim_before"] = {"commit": results["sim_commit"], "runs": dict(results["sim"])}
+    results.update(sim_commit=current_commit(), commit=current_commit())
     save = lambda: path.write_text(json.dumps(results, indent=2))  # noqa: E731
-    for mbps, delay_ms in SETTINGS:
+    if not args.sim_only:
+        for mode in MODES:
+            results["off"][mode] = link_off(args.out / "runs" / "off" / mode, mode, steps,
+                                            args.quick)  # fmt: skip
+            save()
+    for mbps, delay_ms in settings:
         key, shape = setting_key(mbps, delay_ms), Shape(mbps, delay_ms)
         if not args.sim_only:
             with link_namespaces(shape):
+                results["tcp"][key] = apply_tcp_fixes(shape)
                 results["probes"][key] = probe(shape)
                 save()
                 for mode in MODES:
@@ -232,25 +285,31 @@ def error_pct(sim: dict, real: dict) -> float:
 
 
 def render_table(results: dict) -> str:
+    """One row per (link, mode): link-off and real tokens/s, the share of its link-off
+    throughput the real run kept, whether its losses equal the link-off run's bit for bit, and
+    the simulator's tokens/s and error against the real link (before and after, with
+    ``--sim-only``)."""
     before = results.get("sim_before", {}).get("runs")
-    head = "| link | mode | real tok/s | real step | simulated tok/s | error |"
-    rule = "|---|---|---|---|---|---|"
+    head = "| link | mode | link-off tok/s | real tok/s | real step | kept | losses = link-off |"
+    head += " simulated tok/s | error |"
     if before:
-        head = (
-            "| link | mode | real tok/s | real step | simulated before tok/s | error "
-            "| simulated after tok/s | error |"
-        )
-        rule += "---|---|"
-    lines = [head, rule]
+        head = head.replace(" simulated tok/s | error |",
+                            " simulated before | error | simulated after | error |")  # fmt: skip
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     flag = lambda m: "" if m["steady"] else "*"  # noqa: E731
     for key, real in results["real"].items():
         setting, mode = key.split("/")
         mbps, delay = setting.removesuffix("ms").split("mbps_")
-        cells = [f"{mbps} Mbit/s + {delay} ms", mode, f"{real['tokens_per_s']:.0f}"]
-        cells.append(f"{real['step_s']:.3f}s{flag(real)}")
+        off = results["off"][mode]
+        same = real.get("losses") == off.get("losses")
+        cells = [f"{mbps} Mbit/s + {delay} ms", mode, f"{off['tokens_per_s']:.0f}{flag(off)}",
+                 f"{real['tokens_per_s']:.0f}", f"{real['step_s']:.3f}s{flag(real)}",
+                 f"{100 * real['tokens_per_s'] / off['tokens_per_s']:.0f}%",
+                 "yes" if same else "**no**"]  # fmt: skip
         for runs in [before, results["sim"]] if before else [results["sim"]]:
-            sim = runs[key]
-            cells += [f"{sim['tokens_per_s']:.0f}{flag(sim)}", f"{error_pct(sim, real):+.0f}%"]
+            sim = runs.get(key)
+            cells += ["–", "–"] if sim is None else [
+                f"{sim['tokens_per_s']:.0f}{flag(sim)}", f"{error_pct(sim, real):+.0f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     note = "`*`: no three consecutive 5-step windows agreed within 1%; median of the last three."
     lines += ["", note]
@@ -264,15 +323,17 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     keys = list(results["real"])
-    series = {"real link": results["real"], "simulated": results["sim"]}
+    off = {k: results["off"][k.split("/")[1]] for k in keys}
+    series = {"link off": off, "real link": results["real"], "simulated": results["sim"]}
     if "sim_before" in results:
-        series = {"real link": results["real"], "simulated (before)": results["sim_before"]["runs"]}
+        series = {"link off": off, "real link": results["real"],
+                  "simulated (before)": results["sim_before"]["runs"]}  # fmt: skip
         series["simulated (after)"] = results["sim"]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(series)
     for i, (name, runs) in enumerate(series.items()):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(keys))]
-        ax.bar(xs, [runs[k]["tokens_per_s"] for k in keys], width, label=name)
+        ax.bar(xs, [runs[k]["tokens_per_s"] if k in runs else 0 for k in keys], width, label=name)
     ax.set_xticks(range(len(keys)), [k.replace("/", "\n") for k in keys], fontsize=8)
     ax.set_ylabel("tokens/s (steady state)")
     ax.legend(fontsize=8)

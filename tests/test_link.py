@@ -11,6 +11,7 @@ from conftest import REPO, torchrun
 
 from protocol_models.wire.link import (
     LinkSettings,
+    arrival,
     rendezvous_period,
     rendezvous_start,
     tcp_wire_bytes,
@@ -25,32 +26,36 @@ LATENCY_MS = 50.0
     [("latency-bound", 4, 200.0), ("bandwidth-bound", 250_000, 80.0)],
 )
 def test_arrivals_follow_the_wire_model(tmp_path, case, width, mbps):
-    """3 stages, 1F1B: the middle rank's one inbound wire carries activations and gradients.
-    Re-derive every arrival from the sender stamps: never earlier, within 10% of the transfer."""
+    """3 stages, 1F1B: the middle rank receives activations and gradients, each over its own
+    link direction. Re-derive every arrival from the sender stamps and receive posts: never
+    earlier, within 10% of the transfer when the receiver waited."""
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
          str(REPO / "tests" / "link_exchange.py"), str(tmp_path), str(width), str(mbps), str(LATENCY_MS)],
         cwd=REPO, check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     settings = LinkSettings(bandwidth_mbps=mbps, latency_ms=LATENCY_MS)
+    latency = LATENCY_MS / 1e3
     message_bytes = 2 * width * 4  # one microbatch: [2, width] fp32
     segments = -(-message_bytes // 1448)  # each with 52 B of TCP/IP headers
-    expected_transfer = 8 * (message_bytes + 52 * segments) / (mbps * 1e6) + LATENCY_MS / 1e3
+    serialize = 8 * (message_bytes + 52 * segments) / (mbps * 1e6)
     for rank in range(3):
         log = json.loads((tmp_path / f"rank{rank}.json").read_text())
         inbound = {0: {"bwd"}, 1: {"fwd", "bwd"}, 2: {"fwd"}}[rank]
-        assert {d["direction"] for d in log} == inbound  # rank 1: both share one wire
-        wire_free = 0.0
+        assert {d["direction"] for d in log} == inbound
+        wire_free: dict[str, float] = {}
         for d in log:
             assert d["nbytes"] == message_bytes
-            transfer = settings.transfer_s(d["boundary"], d["nbytes"])
-            assert transfer == pytest.approx(expected_transfer)
-            start = max(wire_free, d["sent_at"], d["posted_at"] + LATENCY_MS / 1e3)
-            wire_free = start + transfer
-            assert d["available_at"] == pytest.approx(wire_free, abs=1e-6)
-            assert d["ready_at"] >= wire_free - 1e-6, "delivered before the link model allows"
+            assert settings.transfer_s(d["boundary"], d["nbytes"]) == pytest.approx(
+                serialize + latency
+            )
+            start = max(wire_free.get(d["direction"], 0.0), d["sent_at"], d["posted_at"] + latency)
+            wire_free[d["direction"]] = start + serialize
+            assert d["left_at"] == pytest.approx(start + serialize, abs=1e-6)
+            assert d["available_at"] == pytest.approx(start + serialize + latency, abs=1e-6)
+            assert d["ready_at"] >= d["available_at"] - 1e-6, "delivered before the model allows"
             if d["waited"]:
-                assert d["ready_at"] - wire_free <= 0.1 * transfer, (case, d)
+                assert d["ready_at"] - d["available_at"] <= 0.1 * (serialize + latency), (case, d)
         assert log and sum(d["waited"] for d in log) >= len(log) // 2
 
 
@@ -68,6 +73,19 @@ def test_arrivals_follow_the_wire_model(tmp_path, case, width, mbps):
 def test_tcp_wire_bytes_add_one_header_per_segment(payload, on_wire):
     """1448-byte segments (MTU 1500 less IPv4, TCP and timestamp headers), 52 B of headers each."""
     assert tcp_wire_bytes(payload) == on_wire
+
+
+def test_back_to_back_messages_overlap_their_latencies():
+    """Latency is charged per message in flight: the second of two messages sent together
+    arrives one serialization after the first, not one more latency."""
+    first, left = arrival(sent_at=0.0, posted_at=-1.0, wire_free=0.0, serialize_s=0.01,
+                          latency_s=0.05)  # fmt: skip
+    second, _ = arrival(sent_at=0.0, posted_at=-1.0, wire_free=left, serialize_s=0.01,
+                        latency_s=0.05)  # fmt: skip
+    assert (first, second) == pytest.approx((0.06, 0.07))
+    late, _ = arrival(sent_at=0.0, posted_at=0.02, wire_free=0.0, serialize_s=0.01,
+                      latency_s=0.05)  # fmt: skip
+    assert late == pytest.approx(0.02 + 0.05 + 0.01 + 0.05)  # ready notice, then the data
 
 
 def test_transfer_seconds_bills_headers_then_one_latency():

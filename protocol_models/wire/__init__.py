@@ -3,7 +3,9 @@
 * ``codecs``: the lossy boundary codecs (a registry, ``CODECS``) and their in-graph form;
 * ``stage``: ``WirePipelineStage``, whose send/recv op builders are where the wire is hooked;
 * ``meter``: the bytes each stage sends, per boundary and direction;
+* ``message``: one packed message per microbatch and direction;
 * ``link``: the slow-link simulator (``[wan]``);
+* ``transport``: receive posting (``[transport]``) and the TCP settings a long link needs;
 * ``sizes``: the one size model of a boundary message, for every mode.
 
 ``Wire`` bundles the parts one run uses, built once from its config.
@@ -39,11 +41,13 @@ def codec_for(config) -> Codec | None:
 class Wire:
     """The wire parts of one run (one of each, built once): the meter every stage counts into,
     the lossy codec of the mode (None: exact) used at the transport hook of a pipelined run or
-    in-graph in a single-process run, and the slow-link simulator (None: ``[wan]`` off)."""
+    in-graph in a single-process run, the slow-link simulator (None: ``[wan]`` off), and
+    whether stages pre-post their receives (``[transport] prepost_receives``)."""
 
     meter: WireMeter
     codec: Codec | None
     link: SimulatedLink | None
+    prepost: bool = True
 
     @classmethod
     def from_config(cls, config) -> Wire:
@@ -52,6 +56,7 @@ class Wire:
             meter=WireMeter(dim=config.model.dim),
             codec=codec_for(config),
             link=SimulatedLink(config.wan) if config.wan.enabled else None,
+            prepost=config.transport.prepost_receives,
         )
 
 

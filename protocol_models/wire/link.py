@@ -4,20 +4,24 @@ The model started as ProtocolNanoGPT's (one latency plus bytes / bandwidth per m
 against a real shaped link (``recipes/real_link.py``, results/README.md) it gained the TCP/IP
 headers and gloo's receiver-driven rendezvous. It is receiver-side and schedule-agnostic:
 
-* each rank has **one inbound wire**, shared by forward activations (from rank - 1) and backward
-  gradients (from rank + 1);
+* each boundary is a full-duplex link: forward messages over boundary ``b`` (stage ``b`` to
+  ``b + 1``) and gradients over it (``b + 1`` to ``b``) travel in its two directions, each
+  direction a serialization queue of its own;
 * a message sent at ``sent_at`` over boundary ``b``, whose receive was posted at ``posted_at``,
-  becomes available at ``start + transfer_seconds(bytes)`` with
-  ``start = max(wire_free, rendezvous_start(sent_at, posted_at, latency_b))``, and the wire is
-  busy until then (latency is serialized: stop-and-wait per message);
-* ``transfer_seconds`` = ``8 * tcp_wire_bytes(bytes) / bandwidth_b + latency_b``: the payload
-  plus the TCP/IP headers of the segments it is cut into, then one latency;
+  starts at ``max(rendezvous_start(sent_at, posted_at, latency_b), wire_free)``, occupies its
+  direction for ``serialization_seconds(bytes)`` (the payload plus the TCP/IP headers of the
+  segments it is cut into, at the rate) and is available one latency after it left
+  (``arrival``): latency is charged per message in flight, so messages queued back to back
+  overlap their latencies, as on a real link;
 * ``rendezvous_start``: gloo's TCP transport is receiver-driven. A receive posts a "ready"
   notice to the sender, and the sender writes the payload only once that notice arrived, so a
-  message whose receive is posted late leaves one latency after the post, not when it was sent;
-* not modelled: collectives (the gradient-norm and non-finite all-reduces, the metrics agreed at
-  log steps) run over the real process group, not through this link;
-* the sender's wall-clock stamp travels as an extra 8-byte message that is not billed;
+  message whose receive is posted late leaves one latency after the post, not when it was sent.
+  Which receives are posted early is the stage's business (``[transport] prepost_receives``):
+  the simulator sees when each was posted;
+* collectives that cross the pipeline's links (the gradient-norm all-reduce every step, the
+  metrics gathered at log steps) run over the real process group, then wait ``collective``'s
+  latency rounds;
+* the sender's wall-clock stamp travels in the message (``wire.message``) and is not billed;
 * time really passes: the receiving stage sleeps until the message is available, so step time and
   tokens/s are measured, not computed. Validation (eval mode) runs with the link off.
 
@@ -33,7 +37,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from protocol_models.errors import require
 
@@ -84,6 +87,10 @@ class LinkSettings:
         per = self.latency_ms_per_boundary
         return (per[boundary] if boundary < len(per) else self.latency_ms) / 1e3
 
+    def max_latency_s(self) -> float:
+        """The longest one-way latency of any boundary (what a collective's round waits for)."""
+        return max([self.latency_ms, *self.latency_ms_per_boundary]) / 1e3
+
     def transfer_s(self, boundary: int, nbytes: int) -> float:
         """Time a message occupies the wire (``transfer_seconds``)."""
         return transfer_seconds(nbytes, self.bandwidth_bps(boundary), self.latency_s(boundary))
@@ -102,11 +109,16 @@ def tcp_wire_bytes(nbytes: float) -> float:
     return nbytes + math.ceil(nbytes / TCP_MSS_BYTES) * TCP_HEADER_BYTES
 
 
+def serialization_seconds(nbytes: float, bandwidth_bps: float) -> float:
+    """Seconds a ``nbytes`` payload occupies the link: its bytes and TCP/IP headers at the rate
+    (``inf`` bandwidth: 0)."""
+    return 8 * tcp_wire_bytes(nbytes) / bandwidth_bps
+
+
 def transfer_seconds(nbytes: float, bandwidth_bps: float, latency_s: float) -> float:
-    """The link model's time for one message: ``8 * tcp_wire_bytes(bytes) / bandwidth +
-    latency`` (``inf`` bandwidth: latency only). The simulator, the planner and the slow-link
-    benchmark use it."""
-    return 8 * tcp_wire_bytes(nbytes) / bandwidth_bps + latency_s
+    """One message on an idle link whose receive was posted in time: ``serialization_seconds +
+    latency``. The planner and the slow-link benchmark use it."""
+    return serialization_seconds(nbytes, bandwidth_bps) + latency_s
 
 
 def rendezvous_start(sent_at: float, posted_at: float, latency_s: float) -> float:
@@ -117,10 +129,23 @@ def rendezvous_start(sent_at: float, posted_at: float, latency_s: float) -> floa
     return max(sent_at, posted_at + latency_s)
 
 
+def arrival(
+    sent_at: float, posted_at: float, wire_free: float, serialize_s: float, latency_s: float
+) -> tuple[float, float]:
+    """``(available_at, wire_free)`` of one message on one direction of one link: it starts at
+    ``rendezvous_start`` or when the messages ahead of it have left (``wire_free``), occupies the
+    link for ``serialize_s``, and arrives one latency after it left. Latency is charged per
+    message in flight: messages queued back to back overlap their latencies."""
+    start = max(rendezvous_start(sent_at, posted_at, latency_s), wire_free)
+    left = start + serialize_s
+    return left + latency_s, left
+
+
 def rendezvous_period(transfer_s: float, latency_s: float, receiver_s: float) -> float:
     """Seconds per microbatch of a link and the stage behind it when that stage posts its next
-    receive only after computing the previous microbatch (a pipeline schedule does), and the
-    sender is ahead: the ready notice (one latency), the transfer, then the stage's compute."""
+    receive only after computing the previous microbatch (torch's schedules do, without
+    ``[transport] prepost_receives``), and the sender is ahead: the ready notice (one latency),
+    the transfer, then the stage's compute."""
     return latency_s + transfer_s + receiver_s
 
 
@@ -133,7 +158,9 @@ class Delivery:
     nbytes: int
     sent_at: float
     posted_at: float
-    """When the receiver posted its receive (the message's recv op was built)."""
+    """When the receiver posted its receive."""
+    left_at: float
+    """When its last byte left the sender (the link direction is free again)."""
     available_at: float
     ready_at: float
     """When the receiver went on; equals ``available_at`` (plus sleep jitter) when it waited."""
@@ -141,76 +168,72 @@ class Delivery:
 
 
 class SimulatedLink:
-    """The inbound wire of one rank. Stages register expected messages when they build their
-    recv ops and wait for them right before consuming them (``forward_one_chunk`` /
-    ``backward_one_chunk``)."""
+    """The inbound link directions of one rank: forward messages over boundary ``s - 1`` and
+    gradients over boundary ``s``, each a direction of its own full-duplex link. The stage hands
+    every message it consumes to ``deliver`` (with the sender's stamp and when its receive was
+    posted), which sleeps until the model says it has arrived."""
 
     def __init__(self, settings: LinkSettings):
         self.settings = settings
-        self.wire_free = 0.0
+        self.wire_free: dict[tuple[str, int], float] = {}
         self.wait_s = 0.0
         self.wire_s = 0.0
+        self.collective_s = 0.0
         self.log: list[Delivery] = []
-        self._pending: dict[tuple[str, int], tuple[int, int, float, torch.Tensor]] = {}
 
     def reset_counters(self) -> None:
-        """Start a new accounting window (the wire's state carries over)."""
-        self.wait_s = self.wire_s = 0.0
+        """Start a new accounting window (the links' state carries over)."""
+        self.wait_s = self.wire_s = self.collective_s = 0.0
         self.log.clear()
 
     @staticmethod
-    def stamp_op(data_op: dist.P2POp) -> dist.P2POp:
-        """The unbilled 8-byte send of the sender's clock, to the data message's peer.
+    def stamp(device: torch.device) -> torch.Tensor:
+        """The sender's clock ``[1]`` float64, packed into the message it goes with.
 
         On an accelerator the data is produced asynchronously: the device is synchronized
         first, so the stamp is the time the message is ready to leave, not the (earlier) time
         its kernels were queued. (The simulator exists for benchmarks; the sync is its cost.)"""
-        tensor = data_op.tensor
-        if tensor.device.type != "cpu":
-            torch.accelerator.synchronize(tensor.device)
-        stamp = torch.tensor([time.time()], dtype=torch.float64, device=tensor.device)
-        return dist.P2POp(dist.isend, stamp, data_op.peer, data_op.group)
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        return torch.tensor([time.time()], dtype=torch.float64, device=device)
 
-    def expect_op(
-        self, direction: str, chunk: int, boundary: int, data_ops: list[dist.P2POp]
-    ) -> dist.P2POp:
-        """The matching receive of the stamp; remembers the message, and when its receive is
-        posted (now: the schedule posts the ops right after building them), for ``wait``."""
-        nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in data_ops)
-        stamp = torch.zeros(1, dtype=torch.float64, device=data_ops[-1].tensor.device)
-        self._pending[(direction, chunk)] = (boundary, nbytes, time.time(), stamp)
-        return dist.P2POp(dist.irecv, stamp, data_ops[-1].peer, data_ops[-1].group)
-
-    def wait(self, direction: str, chunk: int) -> None:
-        """Sleep until message ``(direction, chunk)`` is available on this rank's wire
-        (no-op when this stage received nothing for it, e.g. the first stage's forward)."""
-        if (direction, chunk) not in self._pending:
-            return
-        boundary, nbytes, posted_at, stamp = self._pending.pop((direction, chunk))
+    def deliver(
+        self, direction: str, boundary: int, nbytes: int, stamp: torch.Tensor, posted_at: float
+    ) -> None:
+        """Sleep until the ``nbytes`` message ``stamp`` came with is available (``arrival``)."""
         sent_at = float(stamp.item())  # the receiver sleeps on the host: one read per message
         latency = self.settings.latency_s(boundary)
-        start = max(self.wire_free, rendezvous_start(sent_at, posted_at, latency))
-        transfer = self.settings.transfer_s(boundary, nbytes)
-        self.wire_free = start + transfer
-        self.wire_s += transfer
+        serialize = serialization_seconds(nbytes, self.settings.bandwidth_bps(boundary))
+        key = (direction, boundary)
+        available, left = arrival(
+            sent_at, posted_at, self.wire_free.get(key, 0.0), serialize, latency
+        )
+        self.wire_free[key] = left
+        self.wire_s += serialize + latency
         now = time.time()
-        waited = self.wire_free > now
+        waited = available > now
         if waited:
-            time.sleep(self.wire_free - now)
-            self.wait_s += self.wire_free - now
+            time.sleep(available - now)
+            self.wait_s += available - now
         self.log.append(
             Delivery(
-                direction,
-                boundary,
-                nbytes,
-                sent_at,
-                posted_at,
-                self.wire_free,
-                time.time(),
+                direction, boundary, nbytes, sent_at, posted_at, left, available, time.time(),
                 waited,
             )
         )
 
-    def discard(self, direction: str, chunk: int) -> None:
-        """Forget an expected message without delay (eval passes run with the link off)."""
-        self._pending.pop((direction, chunk), None)
+    def collective(self, rounds: int) -> None:
+        """Sleep ``rounds`` one-way latencies of the slowest boundary: what a collective over the
+        pipeline's links adds to its cost on one machine. Called on every rank right after the
+        collective returned (it synchronized them), so the ranks stay in step."""
+        latency = self.settings.max_latency_s()
+        self.collective_s += rounds * latency
+        time.sleep(rounds * latency)
+
+    def exchange(self, last_sent_at: float) -> None:
+        """Sleep until the last of the values other stages sent at ``last_sent_at`` (their
+        clocks) has crossed the slowest boundary (``wire.norm_exchange``)."""
+        wait = last_sent_at + self.settings.max_latency_s() - time.time()
+        if wait > 0:
+            self.collective_s += wait
+            time.sleep(wait)

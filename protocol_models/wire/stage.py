@@ -4,107 +4,228 @@ Every schedule (GPipe, 1F1B, ...) obtains all of its point-to-point traffic from
 ``PipelineStage.get_{fwd,bwd}_{send,recv}_ops`` builders and consumes each received microbatch in
 ``forward_one_chunk`` / ``backward_one_chunk``. ``WirePipelineStage`` wraps exactly those:
 
-* it accounts every message handed to the wire, per boundary and direction (``WireMeter``);
-* with a lossy ``Codec`` (``protocol_models.wire.codecs``) it sends the packed payload instead of
-  the ``d``-wide tensor and unpacks what it receives into the stage's normal receive buffer right
-  before consuming it (forward activations and backward gradients alike);
-* with a ``SimulatedLink`` it adds the sender's 8-byte clock stamp to each message and, on the
-  receiving side, waits until the link model says the message has arrived.
+* **one message per microbatch and direction** (``wire.message``): with a lossy ``Codec``
+  (``protocol_models.wire.codecs``) it sends the codec's payload packed into one buffer instead
+  of the ``d``-wide tensor, and unpacks what it receives into the stage's normal receive buffer
+  right before consuming it (forward activations and backward gradients alike); with a
+  ``SimulatedLink`` the sender's clock stamp travels in the same buffer;
+* **pre-posted receives** (``[transport] prepost_receives``, the default): when a training or
+  evaluation step asks for its first forward receive, every receive of the step is posted at
+  once, forward and (training) backward, each into its own buffer; the builders then hand the
+  schedule no receive ops, and each message is waited for right before its microbatch's compute.
+  Under gloo's receiver-driven TCP transport a receive posted after its send costs one more
+  latency, and torch's schedules post each receive only just before its compute. Off, the
+  schedule posts and waits each receive as torch does (just in time);
+* it accounts every message handed to the wire, per boundary and direction, and the time this
+  stage waited for each (``WireMeter``);
+* with a ``SimulatedLink`` it hands every consumed message to the link model, which sleeps
+  until the message would have arrived.
 
 Boundary ``b`` sits between stage ``b`` and stage ``b + 1``: a forward message from stage ``s``
 crosses boundary ``s``, a backward message from stage ``s`` crosses boundary ``s - 1``.
 (Shape-inference traffic at the first step does not pass through these builders.)
+
+NCCL: a stage that pre-posts its gradient receives at the start of the step must not share one
+communicator per neighbour between the two directions (NCCL runs a communicator's operations in
+the order they were issued, so a gradient receive queued ahead of an activation send to the same
+peer would wait forever). ``p2p_per_direction`` therefore turns on torch's per-direction
+communicators (one for activations, one for gradients) whenever receives are pre-posted on NCCL;
+on each of them both sides issue their operations in microbatch order, under GPipe and 1F1B.
+gloo matches each send to its receive by peer and tag, with no shared queue, and needs neither.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.distributed.config as dist_config
 from torch.distributed.pipelining import PipelineStage
 from torchtitan.tools.logging import logger
 
 from protocol_models.wire.codecs import Codec, Payload
 from protocol_models.wire.link import SimulatedLink
+from protocol_models.wire.message import MessageLayout
 from protocol_models.wire.meter import WireMeter
 
 if TYPE_CHECKING:
     from protocol_models.wire import Wire
 
+DIRECTIONS = ("fwd", "bwd")
+
+
+@dataclass
+class Inbound:
+    """One message this stage expects: its layout, the buffer the wire fills, the stage's own
+    receive buffer it is unpacked into (torch's ``_RecvInfo`` buffer; the same tensor when
+    ``layout.direct`` and no codec), when its receive was posted, and the pre-posted receive's
+    ``Work`` (None: the schedule posts and waits it)."""
+
+    layout: MessageLayout
+    buffer: torch.Tensor
+    target: torch.Tensor
+    boundary: int
+    posted_at: float
+    work: dist.Work | None = None
+
+
+def p2p_per_direction(backend: str, prepost: bool) -> bool:
+    """Whether the stage needs torch's per-direction P2P communicators (module docstring)."""
+    return prepost and backend == "nccl"
+
 
 class WirePipelineStage(PipelineStage):
-    """A ``PipelineStage`` that meters what it sends, optionally compresses it with a lossy codec
-    and optionally routes it over a slow link.
+    """A ``PipelineStage`` that sends one message per microbatch and direction, pre-posts its
+    receives, meters what it sends, optionally compresses it with a lossy codec and optionally
+    routes it over a slow link (module docstring).
 
     Codec state, per microbatch (chunk id): the forward payload this stage sent (``_sent``) and
     the one it received (``_received``) -- the backward of TopK (straight-through) and SVD needs
-    them on both sides -- and the gradient payload buffers posted for receipt (``_grad_in``).
+    them on both sides. Expected messages: ``_inbound[(direction, chunk)]``.
     """
 
     def __init__(self, *args, wire: Wire, **kwargs):
+        if p2p_per_direction(dist.get_backend(kwargs.get("group")), wire.prepost):
+            dist_config.pipeline_per_direction_p2p = True  # read by PipelineStage.__init__
         super().__init__(*args, **kwargs)
         self.meter: WireMeter = wire.meter
         self.link: SimulatedLink | None = wire.link
         self.codec: Codec | None = wire.codec
+        self.prepost = wire.prepost
         self._sent: dict[int, Payload] = {}
-        self._received: dict[int, tuple[Payload, torch.Tensor]] = {}
-        self._grad_in: dict[int, tuple[Payload, torch.Tensor]] = {}
+        self._received: dict[int, Payload] = {}
+        self._inbound: dict[tuple[str, int], Inbound] = {}
         self._described: set[str] = set()
+
+    # -- sends ---------------------------------------------------------------------------------
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         self._describe_once("fwd", self.stage_index, ops)
-        if self.codec is None or not ops:
-            self.meter.record("fwd", self.stage_index, [op.tensor for op in ops])
-            return self._with_stamp(ops)
-        (op,) = ops
-        with torch.no_grad():
-            payload = self.codec.encode(op.tensor)
-        self._sent[fwd_chunk_id] = payload
-        self.meter.record("fwd", self.stage_index, payload, [op.tensor])
-        return self._with_stamp(_sends(op, payload))
+        return self._send_ops("fwd", self.stage_index, fwd_chunk_id, ops)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         self._describe_once("bwd", self.stage_index - 1, ops)
-        if self.codec is None or not ops:
-            self.meter.record("bwd", self.stage_index - 1, [op.tensor for op in ops])
-            return self._with_stamp(ops)
+        return self._send_ops("bwd", self.stage_index - 1, bwd_chunk_id, ops)
+
+    def _send_ops(
+        self, direction: str, boundary: int, chunk: int, ops: list[dist.P2POp]
+    ) -> list[dist.P2POp]:
+        """The one send op of this microbatch's message in place of torch's (one tensor, or
+        none: nothing crosses the boundary this way)."""
+        if not ops:
+            return ops
         (op,) = ops
-        with torch.no_grad():
-            payload = self.codec.encode_grad(op.tensor, self._received[bwd_chunk_id][0])
-        self.meter.record("bwd", self.stage_index - 1, payload, [op.tensor])
-        return self._with_stamp(_sends(op, payload))
+        if self.codec is None:
+            parts = [op.tensor]
+        else:
+            with torch.no_grad():
+                if direction == "fwd":
+                    parts = self.codec.encode(op.tensor)
+                    self._sent[chunk] = parts
+                else:
+                    parts = self.codec.encode_grad(op.tensor, self._received[chunk])
+        self.meter.record(direction, boundary, parts, [op.tensor])
+        layout = self._layout([(p.shape, p.dtype) for p in parts])
+        stamp = self.link.stamp(op.tensor.device) if self.link is not None else None
+        message = _wire_view(layout.pack(parts, stamp))
+        return [dist.P2POp(dist.isend, message, op.peer, op.group)]
+
+    # -- receives ------------------------------------------------------------------------------
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        ops = super().get_fwd_recv_ops(fwd_chunk_id)
-        if self.codec is not None and ops:
-            ops = self._payload_recvs(ops, "fwd", self._received, fwd_chunk_id)
-        return self._with_expectation(ops, "fwd", fwd_chunk_id, self.stage_index - 1)
+        if self.prepost:
+            if fwd_chunk_id == 0:  # every schedule's first receive request of a step
+                self._post_step()
+            return []
+        return self._recv_ops("fwd", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        ops = super().get_bwd_recv_ops(bwd_chunk_id)
-        if self.codec is not None and ops:
-            ops = self._payload_recvs(ops, "bwd", self._grad_in, bwd_chunk_id)
-        return self._with_expectation(ops, "bwd", bwd_chunk_id, self.stage_index)
+        if self.prepost:
+            return []
+        return self._recv_ops("bwd", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
+
+    def _post_step(self) -> None:
+        """Post every receive of the step (forward, and backward when it has one), in
+        microbatch order per direction; the schedule asked for its first forward receive."""
+        if self._inbound:
+            unconsumed = list(self._inbound)
+            raise RuntimeError(f"stage {self.stage_index}: messages never consumed: {unconsumed}")
+        for direction in DIRECTIONS:
+            if direction == "bwd" and not self.has_backward:
+                continue
+            build = super().get_fwd_recv_ops if direction == "fwd" else super().get_bwd_recv_ops
+            chunks = self.args_recv_info if direction == "fwd" else self.grad_recv_info
+            for chunk in sorted(chunks):
+                for op in self._recv_ops(direction, chunk, build(chunk)):
+                    work = op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
+                    self._inbound[(direction, chunk)].work = work
+
+    def _recv_ops(self, direction: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        """The one receive op of this microbatch's message in place of torch's, and the
+        ``Inbound`` that remembers it (none when nothing arrives this way)."""
+        if not ops:
+            return ops
+        (op,) = ops
+        target = op.tensor
+        if self.codec is None:
+            parts = [(target.shape, target.dtype)]
+        else:
+            parts = self.codec.spec(target.shape, target.dtype, direction)
+        layout = self._layout(parts)
+        direct = layout.direct and self.codec is None
+        buffer = target if direct else layout.empty(target.device)
+        boundary = self.stage_index - 1 if direction == "fwd" else self.stage_index
+        self._inbound[(direction, chunk)] = Inbound(
+            layout, buffer, target, boundary, posted_at=time.time()
+        )
+        return [dist.P2POp(dist.irecv, _wire_view(buffer), op.peer, op.group)]
+
+    def _layout(self, parts) -> MessageLayout:
+        return MessageLayout(tuple((torch.Size(s), d) for s, d in parts), self.link is not None)
+
+    # -- consuming -----------------------------------------------------------------------------
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        self._await_arrival("fwd", fwd_chunk_id)
-        if self.codec is not None and fwd_chunk_id in self._received:
-            payload, buffer = self._received[fwd_chunk_id]
-            with torch.no_grad():
-                buffer.copy_(self.codec.decode(payload, buffer.shape))
+        self._consume("fwd", fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        self._await_arrival("bwd", bwd_chunk_id)
-        if self.codec is not None and bwd_chunk_id in self._grad_in:
-            payload, buffer = self._grad_in.pop(bwd_chunk_id)
-            sent = self._sent[bwd_chunk_id]
-            with torch.no_grad():
-                buffer.copy_(self.codec.decode_grad(payload, sent, buffer.shape))
+        self._consume("bwd", bwd_chunk_id)
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def _consume(self, direction: str, chunk: int) -> None:
+        """Wait for this microbatch's message (pre-posted), let the link model deliver it
+        (training only: evaluation runs with the link off), and unpack or decode it into the
+        stage's receive buffer. No-op when nothing arrives this way."""
+        inbound = self._inbound.pop((direction, chunk), None)
+        if inbound is None:
+            return
+        if inbound.work is None:  # the schedule posted and waited it just now
+            blocked = time.time() - inbound.posted_at
+        else:
+            began = time.time()
+            inbound.work.wait()
+            blocked = time.time() - began
+        self.meter.waited(direction, inbound.boundary, blocked)
+        parts, stamp = inbound.layout.unpack(inbound.buffer)
+        if self.link is not None and self.submod.training:
+            nbytes = inbound.layout.payload_bytes
+            self.link.deliver(direction, inbound.boundary, nbytes, stamp, inbound.posted_at)
+        target = inbound.target
+        with torch.no_grad():
+            if self.codec is None:
+                if parts[0] is not target:
+                    target.copy_(parts[0])
+            elif direction == "fwd":
+                self._received[chunk] = parts
+                target.copy_(self.codec.decode(parts, target.shape))
+            else:
+                target.copy_(self.codec.decode_grad(parts, self._sent[chunk], target.shape))
 
     def _describe_once(self, direction: str, boundary: int, ops: list[dist.P2POp]) -> None:
         """Log, once per direction, what this stage's messages over ``boundary`` hold."""
@@ -118,38 +239,6 @@ class WirePipelineStage(PipelineStage):
             f"messages {list(t.shape)}{codec}: {t.element_size()} B per coordinate"
         )
 
-    def _payload_recvs(
-        self, ops: list[dist.P2POp], direction: str, store: dict, chunk: int
-    ) -> list[dist.P2POp]:
-        """Receive ops for the payload of the one ``d``-wide tensor ``ops`` would receive; the
-        payload buffers and that tensor (the stage's receive buffer) are kept in ``store``."""
-        (op,) = ops
-        target = op.tensor
-        payload = [
-            torch.empty(shape, dtype=dtype, device=target.device)
-            for shape, dtype in self.codec.spec(target.shape, target.dtype, direction)
-        ]
-        store[chunk] = (payload, target)
-        return [dist.P2POp(dist.irecv, _wire_view(t), op.peer, op.group) for t in payload]
-
-    def _with_stamp(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
-        if self.link is not None and ops:
-            ops.append(SimulatedLink.stamp_op(ops[-1]))
-        return ops
-
-    def _with_expectation(self, ops, direction: str, chunk: int, boundary: int):
-        if self.link is not None and ops:
-            ops.append(self.link.expect_op(direction, chunk, boundary, ops))
-        return ops
-
-    def _await_arrival(self, direction: str, chunk: int) -> None:
-        if self.link is None:
-            return
-        if self.submod.training:
-            self.link.wait(direction, chunk)
-        else:
-            self.link.discard(direction, chunk)
-
 
 NCCL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
                torch.bfloat16, torch.float32, torch.float64)  # fmt: skip
@@ -160,8 +249,3 @@ def _wire_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or (e.g. TopK's int16 indices) a uint8 view of the same memory: the bytes
     on the wire are identical, and a receive into the view fills the typed buffer."""
     return t if t.dtype in NCCL_DTYPES else t.view(torch.uint8)
-
-
-def _sends(op: dist.P2POp, payload: Payload) -> list[dist.P2POp]:
-    """Send ops for ``payload`` to the peer (and over the group) of the data op ``op``."""
-    return [dist.P2POp(dist.isend, _wire_view(t), op.peer, op.group) for t in payload]

@@ -8,6 +8,10 @@ with ``meta`` as the default device, so a tensor created without an explicit dev
 checks the devices of its tensors; a collective called directly by plugin code outside those
 methods is flagged too (so a new call site cannot escape the probe). Violations are appended to
 ``$COLLECTIVE_PROBE_LOG`` and raised.
+
+With ``$COLLECTIVE_PROBE_COUNT`` set, every collective (point-to-point calls excluded) is also
+appended there as ``<name> <group size>``, and every training step begins with ``step <n>``:
+what ``test_transport.py`` counts per step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import protocol_models.grassmann
 import protocol_models.mapl_sync
 import protocol_models.metrics
 import protocol_models.optimizers
+import protocol_models.trainer
 import protocol_models.wire.stage
 
 SCOPED = {
@@ -36,10 +41,12 @@ SCOPED = {
     protocol_models.mapl_sync.BoundarySync: ("sum_gradients", "metrics"),
     protocol_models.wire.stage.WirePipelineStage: (
         "get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops",
+        "_post_step",
     ),
 }  # fmt: skip
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "reduce_scatter_tensor", "send", "recv", "batch_isend_irecv")  # fmt: skip
+POINT_TO_POINT = ("send", "recv", "batch_isend_irecv")
 """(``isend``/``irecv`` stay unwrapped: ``P2POp`` checks their identity; the pipeline's
 point-to-point ops are checked in ``batch_isend_irecv``.)"""
 PLUGIN_DIR = os.path.dirname(protocol_models.metrics.__file__)
@@ -73,9 +80,28 @@ def _tensors(args) -> list[torch.Tensor]:
     return found
 
 
+def _count(line: str) -> None:
+    path = os.environ.get("COLLECTIVE_PROBE_COUNT")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def _counted_steps(train_step):
+    @functools.wraps(train_step)
+    def run(self, *args, **kwargs):
+        _count(f"step {self.step}")
+        return train_step(self, *args, **kwargs)
+
+    return run
+
+
 def _checked(name, collective):
     @functools.wraps(collective)
     def run(*args, **kwargs):
+        if name not in POINT_TO_POINT:
+            group = kwargs.get("group")
+            _count(f"{name} {dist.get_world_size(group)}")
         device = torch.device(os.environ.get("COLLECTIVE_PROBE_DEVICE", "cpu"))
         for t in _tensors([*args, *kwargs.values()]):
             if t.device.type != device.type:
@@ -99,3 +125,5 @@ for cls, names in SCOPED.items():
         setattr(cls, method_name, _scoped(getattr(cls, method_name)))
 for collective_name in COLLECTIVES:
     setattr(dist, collective_name, _checked(collective_name, getattr(dist, collective_name)))
+trainer_class = protocol_models.trainer.ProtocolTrainer
+trainer_class.train_step = _counted_steps(trainer_class.train_step)

@@ -1,0 +1,88 @@
+"""The step's global gradient norm over the pipeline group, exchanged instead of all-reduced.
+
+Gradient clipping needs ``sqrt(sum_s n_s^2)`` over the pipeline stages ``s`` before any stage can
+step. TorchTitan reduces it with an all-reduce after every stage's backward: over slow links a
+ring all-reduce of one number costs about ``2 (P - 1)`` latencies, and under gloo's
+receiver-driven transport each of its rounds a round trip, on the critical path of every step.
+
+``NormExchange`` instead posts, at the start of every step, one receive from every other stage
+of its pipeline; a stage whose backward is done sends its ``n_s^2`` to every other stage and
+sums the ``P`` values in stage order once they are there. Under GPipe and 1F1B the first stage
+finishes its backward last, holding every other value by then, and the others wait one latency
+for its value -- while the first stage already starts the next step's forward, whose first
+message needs that latency too. The exchange costs no extra latency on the step; the sum is
+the same on every stage (one fixed order), and for two stages equals the all-reduce's bit for
+bit (``a + b == b + a``).
+
+Each message is ``[n_s^2, clock]`` in float64 (the squared norm's own dtype converts exactly);
+``clock`` is the sender's time for the link simulator, which delays each value by its latency.
+Messages to higher-ranked stages travel on one group, to lower-ranked on another: NCCL runs a
+communicator's operations in the order they were issued, and a receive posted at the step's start
+on a communicator shared with the send to the same peer would wait for ever.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from protocol_models.wire.link import SimulatedLink
+from protocol_models.wire.meter import WireMeter
+
+
+class NormExchange:
+    """One pipeline's exchange of squared gradient norms (module docstring). ``ranks``: the
+    global ranks of this rank's pipeline group, stage order; built collectively by them."""
+
+    def __init__(
+        self, ranks: list[int], device: torch.device, meter: WireMeter, link: SimulatedLink | None
+    ):
+        self.ranks, self.device, self.meter, self.link = ranks, device, meter, link
+        if ranks != sorted(ranks):
+            raise ValueError(f"pipeline ranks {ranks} are not in stage order")
+        self.stage = ranks.index(dist.get_rank())
+        self.to_higher = dist.new_group(ranks, use_local_synchronization=True)
+        self.to_lower = dist.new_group(ranks, use_local_synchronization=True)
+        self._posted: list[tuple[int, torch.Tensor, dist.Work]] = []
+
+    def _group(self, sender: int, receiver: int) -> dist.ProcessGroup:
+        return self.to_higher if receiver > sender else self.to_lower
+
+    def post(self) -> None:
+        """Post this step's receives, one from every other stage (at the step's start)."""
+        if self._posted:
+            raise RuntimeError("the previous step's gradient norms were never reduced")
+        for peer in range(len(self.ranks)):
+            if peer == self.stage:
+                continue
+            buffer = torch.empty(2, dtype=torch.float64, device=self.device)
+            group = self._group(peer, self.stage)
+            self._posted.append((peer, buffer, dist.irecv(buffer, group=group, group_src=peer)))
+
+    def global_norm(self, local_norm: torch.Tensor) -> torch.Tensor:
+        """``sqrt(sum_s n_s^2)`` in ``local_norm``'s dtype, summed in stage order, given this
+        stage's norm ``n_s`` (a device scalar, already reduced over its data-parallel shards)."""
+        square = local_norm.detach() ** 2
+        clock = self.link.stamp(self.device).reshape(()) if self.link else torch.zeros(())
+        message = torch.stack([square.to(torch.float64), clock.to(self.device, torch.float64)])
+        sends = [
+            dist.isend(message, group=self._group(self.stage, peer), group_dst=peer)
+            for peer in range(len(self.ranks))
+            if peer != self.stage
+        ]
+        squares = {self.stage: square}
+        arrivals = []
+        for peer, buffer, work in self._posted:
+            work.wait()
+            squares[peer] = buffer[0].to(square.dtype)
+            arrivals.append(buffer[1])
+        self._posted.clear()
+        for work in sends:
+            work.wait()
+        self.meter.collective("grad_norm", 1)
+        if self.link is not None and arrivals:
+            self.link.exchange(float(torch.stack(arrivals).max()))
+        total = squares[0]
+        for stage in range(1, len(self.ranks)):
+            total = total + squares[stage]
+        return total**0.5

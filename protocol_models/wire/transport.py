@@ -1,0 +1,104 @@
+"""How the pipeline's messages travel (TOML table ``[transport]``) and whether this node's TCP
+settings let a long fat link run at its rate.
+
+On a link of ``R`` bit/s and one-way latency ``L``, TCP keeps at most one socket buffer of
+unacknowledged bytes in flight, so it needs buffers of at least the bandwidth-delay product
+``R * 2L / 8`` (twice that leaves room for loss recovery) to reach the rate; and Linux's default
+``tcp_slow_start_after_idle = 1`` restarts every burst after an idle spell from the initial
+window of 10 segments, which costs a pipeline message several round trips. ``tcp_advice`` reads
+this node's settings and returns the one line that fixes them, or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol_models.errors import require
+
+SYSCTL_ROOT = Path("/proc/sys")
+
+
+@dataclass(kw_only=True, slots=True)
+class TransportSettings:
+    """TOML table ``[transport]``."""
+
+    prepost_receives: bool = True
+    """Post all of a step's receives when its first is requested, each waited right before its
+    microbatch's compute (``wire.stage``); false: each just before its compute, as torch's
+    schedules do, which costs one more latency per message under gloo."""
+    exchange_grad_norm: bool = True
+    """Reduce the gradient norm over the pipeline stages by an exchange of pre-posted messages
+    (``wire.norm_exchange``: no latency on the step) instead of TorchTitan's all-reduce (about
+    one round trip per ring step). The sum is the same on every stage; for two stages it equals
+    the all-reduce's bit for bit, for more it may differ in the last bit (another order)."""
+    link_mbps: float = 0.0
+    """The slowest real link between two nodes of the run, Mbit/s (0: not stated). With
+    ``link_latency_ms`` the config check compares this node's TCP settings with the link's
+    bandwidth-delay product and prints the ``sysctl`` line that fixes them."""
+    link_latency_ms: float = 0.0
+    """That link's one-way latency in ms."""
+
+    def __post_init__(self) -> None:
+        for key in ("link_mbps", "link_latency_ms"):
+            value = getattr(self, key)
+            require(value >= 0, f"transport.{key} = {value}: must be >= 0 (0 = not stated)")
+
+    @property
+    def link_stated(self) -> bool:
+        return self.link_mbps > 0 and self.link_latency_ms > 0
+
+
+def bdp_bytes(mbps: float, latency_ms: float) -> int:
+    """The bandwidth-delay product of a link: bytes in flight over one round trip."""
+    return int(mbps * 1e6 / 8 * 2 * latency_ms / 1e3)
+
+
+def read_sysctl(name: str, root: Path = SYSCTL_ROOT) -> str | None:
+    """The value of sysctl ``name`` (``net.ipv4.tcp_rmem``) on this node, None if unreadable."""
+    try:
+        return (root / name.replace(".", "/")).read_text().strip()
+    except OSError:
+        return None
+
+
+def tcp_fixes(mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT) -> dict[str, str]:
+    """The sysctl settings to change on this node for a ``mbps`` + ``latency_ms`` link, with
+    their new values: slow start after idle off, buffer maxima of at least twice the
+    bandwidth-delay product, and BBR where the kernel offers it while the node runs another
+    congestion control (a loss-based one halves its window at every drop on a long path)."""
+    want = 2 * bdp_bytes(mbps, latency_ms)
+    fixes: dict[str, str] = {}
+    if read_sysctl("net.ipv4.tcp_slow_start_after_idle", root) not in (None, "0"):
+        fixes["net.ipv4.tcp_slow_start_after_idle"] = "0"
+    for name in ("net.core.wmem_max", "net.core.rmem_max"):
+        value = read_sysctl(name, root)
+        if value is not None and int(value) < want:
+            fixes[name] = str(want)
+    for name in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"):
+        value = read_sysctl(name, root)
+        if value is not None:
+            low, default, high = (int(v) for v in value.split())
+            if high < want:
+                fixes[name] = f"{low} {default} {want}"
+    available = (read_sysctl("net.ipv4.tcp_available_congestion_control", root) or "").split()
+    current = read_sysctl("net.ipv4.tcp_congestion_control", root)
+    if "bbr" in available and current not in (None, "bbr"):
+        fixes["net.ipv4.tcp_congestion_control"] = "bbr"
+    return fixes
+
+
+def tcp_advice(mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT) -> str | None:
+    """One line: what this node's TCP settings lack for the link, and the command that fixes
+    them (None: nothing to fix)."""
+    fixes = tcp_fixes(mbps, latency_ms, root)
+    if not fixes:
+        return None
+    assignments = " ".join(
+        f"{name}={value!r}" if " " in value else f"{name}={value}" for name, value in fixes.items()
+    )
+    return (
+        f"warning: this node's TCP settings slow a {mbps:g} Mbit/s + {latency_ms:g} ms link "
+        f"(bandwidth-delay product {bdp_bytes(mbps, latency_ms) / 1e6:.2f} MB; see "
+        f"docs/multinode.md#tcp-on-long-fat-links); as root: sysctl -w {assignments}"
+    )

@@ -1,0 +1,197 @@
+"""The transport: pre-posted receives change timing only, one message per microbatch and
+direction, one collective across the pipeline per non-log step, and the TCP check's one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, torchrun
+
+from protocol_models.wire.message import MessageLayout
+from protocol_models.wire.stage import p2p_per_direction
+from protocol_models.wire.transport import bdp_bytes, tcp_advice, tcp_fixes
+
+# tests/tiny.toml: 4 microbatches per step (local_batch_size 4, microbatch 1)
+N_MB = 4
+COMPARED = ("loss", "grad_norm", "wire/fwd_bytes", "wire/bwd_bytes", "wire/messages")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "wire"),
+    [("GPipe", "exact"), ("GPipe", "8-bit"), ("1F1B", "exact"), ("1F1B", "8-bit")],
+)
+def test_preposted_receives_equal_just_in_time(tmp_path, schedule, wire):
+    """3 stages (the middle one pre-posts both directions): the same losses, gradient norms,
+    bytes and messages, bit for bit, whether a step's receives are all posted at its start or
+    each just before its compute (as torch's schedules do); 8-bit coordinates send codes and
+    scales as one message."""
+    over = ["--parallelism.pipeline_parallel_schedule", schedule]
+    over += ["--codec.bits", "8"] if wire == "8-bit" else []
+    runs = {
+        on: torchrun(3, tmp_path / on, *over, "--transport.prepost_receives", on)
+        for on in ("true", "false")
+    }
+    for key in COMPARED:
+        assert [r[key] for r in runs["true"]] == [r[key] for r in runs["false"]], key
+    for r in runs["true"]:
+        for b in (0, 1):
+            assert r[f"wire/messages/fwd/b{b}"] == r[f"wire/messages/bwd/b{b}"] == N_MB
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_exchanged_gradient_norm_equals_the_all_reduce(tmp_path, stages):
+    """The norm summed from exchanged messages in stage order is TorchTitan's all-reduced norm:
+    bit for bit at 2 stages (one addition), to float rounding at 3 (another summation order)."""
+    runs = {
+        on: torchrun(stages, tmp_path / on, "--transport.exchange_grad_norm", on)
+        for on in ("true", "false")
+    }
+    for key in ("loss", "grad_norm"):
+        exchanged, reduced = ([r[key] for r in runs[on]] for on in ("true", "false"))
+        if stages == 2:
+            assert exchanged == reduced, key
+        else:
+            assert exchanged == pytest.approx(reduced, rel=1e-6), key
+
+
+def test_one_message_per_microbatch_with_the_link_stamp(tmp_path):
+    """Under the link simulator the sender's clock travels inside the message: still one
+    message per microbatch and direction, and the metered bytes are the payload's alone."""
+    records = torchrun(
+        2, tmp_path / "run", "--codec.bits", "8", "--wan.latency_ms", "5", "--training.steps", "2"
+    )
+    plain = torchrun(2, tmp_path / "plain", "--codec.bits", "8", "--training.steps", "2")
+    for r, p in zip(records, plain, strict=True):
+        assert r["wire/messages/fwd/b0"] == r["wire/messages/bwd/b0"] == N_MB
+        assert r["wire/fwd_bytes/b0"] == p["wire/fwd_bytes/b0"]
+        assert r["loss"] == p["loss"]
+        assert r["wan/wait_s"] > 0 and "wan/wait_s" not in p  # the link model delivered them
+
+
+def _steps(count_log: Path) -> dict[int, list[str]]:
+    """The probe's count log: the collectives each training step ran."""
+    steps: dict[int, list[str]] = {}
+    current = None
+    for line in count_log.read_text().splitlines():
+        if line.startswith("step "):
+            current = int(line.split()[1])
+            steps[current] = []
+        elif current is not None:
+            steps[current].append(line)
+    return steps
+
+
+@pytest.mark.parametrize("exchange", ["true", "false"])
+def test_one_collective_per_non_log_step(tmp_path, exchange):
+    """Counted by the collective probe over 6 steps of 2 stages, logging at steps 1, 3 and 6.
+    A non-log step reduces the gradient norm -- by the exchange of pre-posted messages (no
+    collective at all) or TorchTitan's all-reduce over the pipeline group -- and nothing else:
+    the non-finite guard reads that norm. A log step adds one all-gather of its metrics, and
+    ``wire/collectives`` counts both."""
+    count = tmp_path / "count.log"
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
+                                       os.environ.get("PYTHONPATH", "")]),
+        "COLLECTIVE_PROBE_LOG": str(tmp_path / "probe.log"),
+        "COLLECTIVE_PROBE_COUNT": str(count),
+    }  # fmt: skip
+    records = torchrun(
+        2, tmp_path / "run", "--training.steps", "6", "--metrics.log_freq", "3",
+        "--transport.exchange_grad_norm", exchange, env=env,
+    )  # fmt: skip
+    logged = [r["step"] for r in records]
+    assert logged == [1, 3, 6]
+    per_step = _steps(count)
+    assert sorted(per_step) == [1, 2, 3, 4, 5, 6]
+    norm = [] if exchange == "true" else ["all_reduce 2"]
+    for step, collectives in per_step.items():
+        assert collectives == norm + (["all_gather_single 2"] if step in logged else []), step
+    assert all(r["wire/collectives"] == 2 for r in records)
+
+
+def test_message_layout_packs_parts_at_aligned_offsets():
+    """Parts of mixed element sizes and a float64 stamp round-trip through one uint8 buffer,
+    each part a typed view (no padding: descending element size)."""
+    codes = torch.randint(0, 255, (2, 3, 5), dtype=torch.uint8)
+    scales = torch.randn(2, 3, 1).to(torch.bfloat16)
+    index = torch.randint(0, 100, (2, 3, 5), dtype=torch.int16)
+    layout = MessageLayout(tuple((t.shape, t.dtype) for t in (codes, scales, index)), True)
+    stamp = torch.tensor([1234.5], dtype=torch.float64)
+    packed = layout.pack([codes, scales, index], stamp)
+    assert packed.dtype == torch.uint8 and packed.numel() == layout.nbytes == 8 + 30 + 12 + 60
+    received = layout.empty(torch.device("cpu"))
+    received.copy_(packed)
+    parts, got_stamp = layout.unpack(received)
+    for sent, got in zip((codes, scales, index), parts, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+        assert got.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+    assert got_stamp.item() == 1234.5
+    single = MessageLayout(((codes.shape, codes.dtype),))
+    assert single.direct and single.pack([codes]) is codes
+
+
+def test_nccl_preposting_uses_per_direction_communicators():
+    assert p2p_per_direction("nccl", prepost=True)
+    assert not p2p_per_direction("nccl", prepost=False)
+    assert not p2p_per_direction("gloo", prepost=True)
+
+
+def _sysctl_tree(root: Path, **values: str) -> Path:
+    defaults = {
+        "net.ipv4.tcp_slow_start_after_idle": "1",
+        "net.core.wmem_max": "212992",
+        "net.core.rmem_max": "212992",
+        "net.ipv4.tcp_wmem": "4096 16384 4194304",
+        "net.ipv4.tcp_rmem": "4096 131072 6291456",
+        "net.ipv4.tcp_congestion_control": "cubic",
+        "net.ipv4.tcp_available_congestion_control": "reno cubic",
+    }
+    for name, value in {**defaults, **values}.items():
+        path = root / name.replace(".", "/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(value + "\n")
+    return root
+
+
+def test_tcp_check_names_the_fix_in_one_line(tmp_path):
+    """A stock host against 80 Mbit/s + 50 ms (1 MB in flight): slow start after idle and the
+    core buffer maxima are fixed, the autotuning maxima already cover twice the product."""
+    root = _sysctl_tree(tmp_path)
+    assert bdp_bytes(80, 50) == 1_000_000
+    assert tcp_fixes(80, 50, root) == {
+        "net.ipv4.tcp_slow_start_after_idle": "0",
+        "net.core.wmem_max": "2000000",
+        "net.core.rmem_max": "2000000",
+    }
+    advice = tcp_advice(80, 50, root)
+    assert "\n" not in advice
+    assert advice.endswith(
+        "sysctl -w net.ipv4.tcp_slow_start_after_idle=0 net.core.wmem_max=2000000 "
+        "net.core.rmem_max=2000000"
+    )
+    slow = tcp_advice(350, 80, _sysctl_tree(tmp_path / "b", **{
+        "net.ipv4.tcp_available_congestion_control": "reno cubic bbr"}))  # fmt: skip
+    assert "net.ipv4.tcp_wmem='4096 16384 14000000'" in slow
+    assert "net.ipv4.tcp_congestion_control=bbr" in slow
+    tuned = _sysctl_tree(tmp_path / "c", **{
+        "net.ipv4.tcp_slow_start_after_idle": "0", "net.core.wmem_max": "4194304",
+        "net.core.rmem_max": "4194304"})  # fmt: skip
+    assert tcp_advice(80, 50, tuned) is None
+
+
+def test_config_check_prints_the_tcp_line_for_a_stated_link():
+    """The launcher's config check prints this node's advice (or nothing) on stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "protocol_models.config", "--toml", str(TINY),
+         "--transport.link_mbps", "80", "--transport.link_latency_ms", "50"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    advice = tcp_advice(80, 50)
+    lines = [line for line in result.stderr.splitlines() if "TCP settings" in line]
+    assert lines == ([advice] if advice else [])
