@@ -365,7 +365,7 @@ class GuardedOptimizers(OptimizersContainer):
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient of every rank is finite, read from the global gradient norm
-        the step's clipping already reduced over every rank (``trainer.keeping_grad_norm``: the
+        the step's clipping already reduced over every rank (``trainer.exchanging_grad_norm``: the
         pipeline all-reduce over the per-stage norms, each a full norm over its data-parallel
         shards): a norm is finite iff every gradient it covers is. No collective of its own,
         one host read per step."""

@@ -88,7 +88,7 @@ def _steps(count_log: Path) -> dict[int, list[str]]:
 
 @pytest.mark.parametrize("exchange", ["true", "false"])
 def test_one_collective_per_non_log_step(tmp_path, exchange):
-    """Counted by the collective probe over 6 steps of 2 stages, logging at steps 1, 3 and 6.
+    """Counted by the collective probe over steps 2-6 of 2 stages, logging at steps 1, 3 and 6.
     A non-log step reduces the gradient norm -- by the exchange of pre-posted messages (no
     collective at all) or TorchTitan's all-reduce over the pipeline group -- and nothing else:
     the non-finite guard reads that norm. A log step adds one all-gather of its metrics, and
@@ -110,6 +110,8 @@ def test_one_collective_per_non_log_step(tmp_path, exchange):
     assert sorted(per_step) == [1, 2, 3, 4, 5, 6]
     norm = [] if exchange == "true" else ["all_reduce 2"]
     for step, collectives in per_step.items():
+        if step == 1:  # torch's one-time pipeline metadata inference gathers too
+            continue
         assert collectives == norm + (["all_gather_single 2"] if step in logged else []), step
     assert all(r["wire/collectives"] == 2 for r in records)
 

@@ -63,8 +63,11 @@ class NormExchange:
         """``sqrt(sum_s n_s^2)`` in ``local_norm``'s dtype, summed in stage order, given this
         stage's norm ``n_s`` (a device scalar, already reduced over its data-parallel shards)."""
         square = local_norm.detach() ** 2
-        clock = self.link.stamp(self.device).reshape(()) if self.link else torch.zeros(())
-        message = torch.stack([square.to(torch.float64), clock.to(self.device, torch.float64)])
+        if self.link is not None:
+            clock = self.link.stamp(self.device).reshape(())
+        else:
+            clock = torch.zeros((), dtype=torch.float64, device=self.device)
+        message = torch.stack([square.to(torch.float64), clock])
         sends = [
             dist.isend(message, group=self._group(self.stage, peer), group_dst=peer)
             for peer in range(len(self.ranks))

@@ -28,14 +28,15 @@ import protocol_models.mapl_sync
 import protocol_models.metrics
 import protocol_models.optimizers
 import protocol_models.trainer
+import protocol_models.wire.norm_exchange
 import protocol_models.wire.stage
 
 SCOPED = {
     protocol_models.metrics.ProtocolMetricsProcessor: (
         "_from_last_stage",
-        "_wire_metrics",
-        "_data_metrics",
+        "_agree_over_pipeline",
     ),
+    protocol_models.wire.norm_exchange.NormExchange: ("post", "global_norm"),
     protocol_models.optimizers.GuardedOptimizers: ("_gradients_finite",),
     protocol_models.grassmann.SubspaceTracker: ("_update",),
     protocol_models.mapl_sync.BoundarySync: ("sum_gradients", "metrics"),
