@@ -285,21 +285,22 @@ class ProtocolTrainer(Trainer):
         measure = self.metrics_processor.should_log(self.step)
         for part in self.model_parts:
             part.start_leak_window(measure)
-        with exchanging_grad_norm(self.optimizers, self.norm_exchange):
+        with exchanging_grad_norm(self.optimizers, self.norm_exchange, self.wire):
             super().train_step(data_iterator)
         if measure:
             logger.info(self.progress.line(self.step))
 
 
 @contextlib.contextmanager
-def exchanging_grad_norm(optimizers, exchange: NormExchange | None):
+def exchanging_grad_norm(optimizers, exchange: NormExchange | None, wire: Wire):
     """For one TorchTitan ``train_step``: its gradient clipping (``clip_grad_norm_``) reduces the
     norm over the pipeline stages with ``exchange`` (``wire.norm_exchange``: no all-reduce on
     the critical path across the slow links) instead of an all-reduce -- everything else as
     TorchTitan does it (the norm over each stage's FSDP shards, then ``clip_grads_with_norm_``)
     -- and hands the global norm to the optimizer container, whose non-finite guard reads it
     instead of agreeing on a flag in a collective of its own. Without pipeline parallelism,
-    with expert parallelism or a norm other than 2, TorchTitan's own clipping runs."""
+    with expert parallelism or a norm other than 2, TorchTitan's own clipping runs (with
+    pipeline parallelism its all-reduce is counted on ``wire``'s meter and link)."""
     clip = dist_utils.clip_grad_norm_
 
     def clip_exchanged(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
@@ -307,6 +308,11 @@ def exchanging_grad_norm(optimizers, exchange: NormExchange | None):
         if exchange is None or pp_mesh is None or ep_enabled or norm_type != 2.0:
             norm = clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh,
                         ep_enabled)  # fmt: skip
+            if pp_mesh is not None:  # its all-reduce over the pipeline group: a ring's rounds
+                rounds = 2 * (pp_mesh.size() - 1)
+                wire.meter.collective("grad_norm", rounds)
+                if wire.link is not None:
+                    wire.link.collective(rounds)
         else:
             parameters = list(parameters)
             grads = [p.grad for p in parameters if p.grad is not None]

@@ -10,8 +10,8 @@ methods is flagged too (so a new call site cannot escape the probe). Violations 
 ``$COLLECTIVE_PROBE_LOG`` and raised.
 
 With ``$COLLECTIVE_PROBE_COUNT`` set, every collective (point-to-point calls excluded) is also
-appended there as ``<name> <group size>``, and every training step begins with ``step <n>``:
-what ``test_transport.py`` counts per step.
+appended to ``$COLLECTIVE_PROBE_COUNT.rank<r>`` (one file per rank) as ``<name> <group size>``,
+and every training step begins with ``step <n>``: what ``test_transport.py`` counts per step.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _tensors(args) -> list[torch.Tensor]:
 def _count(line: str) -> None:
     path = os.environ.get("COLLECTIVE_PROBE_COUNT")
     if path:
-        with open(path, "a") as f:
+        with open(f"{path}.rank{os.environ.get('RANK', '0')}", "a") as f:
             f.write(line + "\n")
 
 
