@@ -30,6 +30,7 @@ from torchtitan.tools.utils import device_module, get_local_device
 
 from protocol_models.errors import DataError
 from protocol_models.wire import Wire
+from protocol_models.wire.meter import ring_rounds
 
 _CANONICAL = {"loss_metrics/global_avg_loss": "loss", "throughput(tps)": "tps"}
 
@@ -263,16 +264,16 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             return metrics
         device = get_local_device()
         meter, link = self.wire.meter, self.wire.link
-        meter.collective("metrics", dist.get_world_size(group) - 1)
-        row = _StageRow(self.parallel_dims.pp - 1)
+        stages = dist.get_world_size(group)
+        meter.collective("metrics", ring_rounds("all_gather", stages))  # counted in the row
+        row = _StageRow(stages - 1)
         mine = row.pack(meter, link, loss, max_loss, self._leak(), _peak_memory_bytes(),
                         checksum, device)  # fmt: skip
-        stages = dist.get_world_size(group)
         rows = torch.empty(stages * mine.numel(), dtype=mine.dtype, device=device)
         dist.all_gather_single(rows, mine, group=group)
-        rows = rows.view(stages, mine.numel())
         if link is not None:
-            link.collective(dist.get_world_size(group) - 1)
+            link.collective(ring_rounds("all_gather", stages))
+        rows = rows.view(stages, mine.numel())
         return row.agree(rows, step, has_link=link is not None, has_ids=checksum is not None)
 
     def _leak(self) -> torch.Tensor | None:

@@ -308,11 +308,8 @@ def exchanging_grad_norm(optimizers, exchange: NormExchange | None, wire: Wire):
         if exchange is None or pp_mesh is None or ep_enabled or norm_type != 2.0:
             norm = clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh,
                         ep_enabled)  # fmt: skip
-            if pp_mesh is not None:  # its all-reduce over the pipeline group: a ring's rounds
-                rounds = 2 * (pp_mesh.size() - 1)
-                wire.meter.collective("grad_norm", rounds)
-                if wire.link is not None:
-                    wire.link.collective(rounds)
+            if pp_mesh is not None:  # its all-reduce over the pipeline group
+                wire.collective("grad_norm", "all_reduce", pp_mesh.size())
         else:
             parameters = list(parameters)
             grads = [p.grad for p in parameters if p.grad is not None]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from protocol_models.boundary import BOUNDARIES
 from protocol_models.wire.codecs import CODECS, Codec, build_codec
 from protocol_models.wire.link import SimulatedLink
-from protocol_models.wire.meter import WireMeter
+from protocol_models.wire.meter import WireMeter, ring_rounds
 from protocol_models.wire.rvq import ResidualVQ
 
 
@@ -48,6 +48,14 @@ class Wire:
     codec: Codec | None
     link: SimulatedLink | None
     prepost: bool = True
+
+    def collective(self, purpose: str, kind: str, ranks: int) -> None:
+        """A ring ``kind`` collective over the ``ranks`` pipeline stages just ran, for
+        ``purpose``: the meter counts it and the simulated link (if any) charges its rounds."""
+        rounds = ring_rounds(kind, ranks)
+        self.meter.collective(purpose, rounds)
+        if self.link is not None:
+            self.link.collective(rounds)
 
     @classmethod
     def from_config(cls, config) -> Wire:

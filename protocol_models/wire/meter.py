@@ -41,8 +41,7 @@ class WireMeter:
     collectives: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Collectives over the pipeline group this stage joined, by what they were for."""
     collective_rounds: int = 0
-    """Their latency rounds: a ring over P ranks costs about 2 (P - 1) for an all-reduce and
-    P - 1 for an all-gather."""
+    """Their latency rounds (``ring_rounds``; the norm exchange: 1)."""
 
     def record(
         self,
@@ -77,3 +76,9 @@ class WireMeter:
                         self.collectives):  # fmt: skip
             counter.clear()
         self.collective_rounds = 0
+
+
+def ring_rounds(kind: str, ranks: int) -> int:
+    """Latency rounds of a ring collective over ``ranks`` ranks: ``2 (P - 1)`` for an
+    ``all_reduce`` (reduce-scatter, then all-gather), ``P - 1`` for an ``all_gather``."""
+    return {"all_reduce": 2, "all_gather": 1}[kind] * (ranks - 1)
