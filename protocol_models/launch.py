@@ -155,7 +155,9 @@ def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
     second of their error record (or, without one, of when it saw the process end) and breaks
     ties by dict order; a rank's record and the "connection closed" records of the peers it
     left behind often share a second, so within a second the earlier error file wins (its
-    modification time), and a failure without a record comes last."""
+    modification time), and a failure without a record comes last. When ranks hit the same
+    error together (a user error every stage detects) and torchelastic terminated the first
+    recorder while it was exiting, the rank that exited with that error stands for it."""
 
     def when(item: tuple[int, ProcessFailure]) -> tuple[int, float]:
         failure = item[1]
@@ -164,7 +166,12 @@ def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
         except OSError:  # no record ("<N/A>")
             return failure.timestamp, float("inf")
 
-    return min(error.failures.items(), key=when)
+    rank, failure = min(error.failures.items(), key=when)
+    if failure.exitcode < 0:  # ended by a signal: after recording the error a peer exited with?
+        for peer_rank, peer in error.failures.items():
+            if peer.exitcode > 0 and _reason(peer) == _reason(failure):
+                return peer_rank, peer
+    return rank, failure
 
 
 def _reason(failure: ProcessFailure) -> str:

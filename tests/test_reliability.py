@@ -150,7 +150,7 @@ def test_root_cause_is_the_earliest_error_record(tmp_path):
     user error whose own line was shown is not repeated."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from protocol_models.launch import failure_summary
+    from protocol_models.launch import failure_summary, first_failure
 
     def failure(local_rank: int, exitcode: int, message: str | None, mtime: float):
         folder = tmp_path / str(local_rank)
@@ -183,6 +183,12 @@ def test_root_cause_is_the_earliest_error_record(tmp_path):
         f"error: worker rank 2 exited with code 2: StartupError: stages disagree "
         f"(its output: {tmp_path / '2' / 'stderr.log'})"
     )
+    # both stages hit the same user error; the first recorder was terminated while exiting
+    recorded_then_killed = failure(5, -15, "DataError: different token ids", 100.1)
+    exited = failure(6, 2, "DataError: different token ids", 100.4)
+    both = ChildFailedError("train", {5: recorded_then_killed, 6: exited})
+    assert first_failure(both) == (6, exited)
+    assert failure_summary(both, None) is None
 
 
 def test_finished_runs_exit_zero(tmp_path):
