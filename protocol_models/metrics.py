@@ -171,6 +171,10 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         self.ids_checksum = IdsChecksum()
         """Fed every training microbatch's token ids by the trainer; checked across the
         pipeline group and logged as ``data/ids_checksum`` at every log step."""
+        self.exchanged_rows: torch.Tensor | None = None
+        """``[stages, width]``: every stage's ``stage_row`` of this log step, handed over by the
+        trainer when they travelled with the gradient-norm exchange (the log then needs no
+        collective); None: ``log`` gathers them."""
 
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, **kwargs):
         base = super()._build_metric_logger(
@@ -248,33 +252,44 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         return t.tolist()
 
     def _agree_over_pipeline(self, loss: float, max_loss: float, step: int) -> dict[str, float]:
-        """The log step's figures agreed over the pipeline group in **one** all-gather of one
-        float64 row per stage (on the training device; the ids checksum travels as its int64
-        bits): the loss from the last stage (the only one that computes it), the wire counters
-        summed over stages (each stage counts what it sends, and what it waited for), the max
-        leak over boundaries and each stage's peak memory; the stages' token-id checksums must
-        agree (``_check_ids``). Returns ``loss``, ``max_loss`` and the ``wire/*``, ``wan/*``,
-        ``subspace/leak``, ``memory/*`` and ``data/*`` metrics."""
+        """The log step's figures agreed over the pipeline group from one float64 row per stage
+        (on the training device; the ids checksum travels as its int64 bits): the loss from the
+        last stage (the only one that computes it), the wire counters summed over stages (each
+        stage counts what it sends, and what it waited for), the max leak over boundaries and
+        each stage's peak memory; the stages' token-id checksums must agree (``_check_ids``).
+        The rows came with the step's gradient-norm exchange (``exchanged_rows``), else they
+        are gathered here in **one** all-gather. Returns ``loss``, ``max_loss`` and the
+        ``wire/*``, ``wan/*``, ``subspace/leak``, ``memory/*`` and ``data/*`` metrics."""
         group = self._pp_group()
-        checksum = self.ids_checksum.pop()
+        rows, self.exchanged_rows = self.exchanged_rows, None
         if group is None:
+            checksum = self.ids_checksum.pop()
             metrics = {"loss": loss, "max_loss": max_loss}
             if checksum is not None:
                 metrics["data/ids_checksum"] = int(checksum) % 2**24
             return metrics
-        device = get_local_device()
-        meter, link = self.wire.meter, self.wire.link
         stages = dist.get_world_size(group)
-        meter.collective("metrics", ring_rounds("all_gather", stages))  # counted in the row
-        row = _StageRow(stages - 1)
-        mine = row.pack(meter, link, loss, max_loss, self._leak(), _peak_memory_bytes(),
-                        checksum, device)  # fmt: skip
-        rows = torch.empty(stages * mine.numel(), dtype=mine.dtype, device=device)
-        dist.all_gather_single(rows, mine, group=group)
-        if link is not None:
-            link.collective(ring_rounds("all_gather", stages))
-        rows = rows.view(stages, mine.numel())
-        return row.agree(rows, step, has_link=link is not None, has_ids=checksum is not None)
+        if rows is None:
+            self.wire.meter.collective("metrics", ring_rounds("all_gather", stages))  # in the row
+            mine = self.stage_row(loss, max_loss)
+            rows = torch.empty(stages * mine.numel(), dtype=mine.dtype, device=mine.device)
+            dist.all_gather_single(rows, mine, group=group)
+            if self.wire.link is not None:
+                self.wire.link.collective(ring_rounds("all_gather", stages))
+            rows = rows.view(stages, mine.numel())
+        return _StageRow(stages - 1).agree(rows, step, has_link=self.wire.link is not None)
+
+    def stage_row(self, loss: float | torch.Tensor, max_loss: float | torch.Tensor) -> torch.Tensor:
+        """This stage's row ``[width]`` float64 on the training device, from its counters now
+        (its ids checksum and leak window are taken): what the log step agrees over."""
+        meter, link = self.wire.meter, self.wire.link
+        row = _StageRow(dist.get_world_size(self._pp_group()) - 1)
+        return row.pack(meter, link, loss, max_loss, self._leak(), _peak_memory_bytes(),
+                        self.ids_checksum.pop(), get_local_device())  # fmt: skip
+
+    def stage_row_width(self) -> int:
+        """How many values ``stage_row`` returns."""
+        return _StageRow(dist.get_world_size(self._pp_group()) - 1).width
 
     def _leak(self) -> torch.Tensor | None:
         """The largest leak this stage measured over its boundaries (a device scalar), or None."""
@@ -284,8 +299,9 @@ class ProtocolMetricsProcessor(MetricsProcessor):
 
 
 class _StageRow:
-    """The layout of the one float64 row each stage contributes to a log step's all-gather,
-    for a pipeline of ``n_boundaries + 1`` stages: what ``pack`` writes and ``agree`` reads."""
+    """The layout of the one float64 row each stage contributes to a log step (carried by the
+    gradient-norm exchange, or all-gathered), for a pipeline of ``n_boundaries + 1`` stages:
+    what ``pack`` writes and ``agree`` reads."""
 
     COUNTERS = ("fwd", "bwd", "dense", "sync")
     """Per-boundary byte counters of ``WireMeter``, summed over stages."""
@@ -294,9 +310,17 @@ class _StageRow:
         self.boundaries = range(n_boundaries)
         self.keys = [(d, b) for d in ("fwd", "bwd") for b in self.boundaries]
 
+    @property
+    def width(self) -> int:
+        """Values per row: 5 scalars, 4 byte counters and, per direction, messages and waits
+        per boundary, 3 link sums, the leak and the ids checksum."""
+        return 5 + len(self.COUNTERS) * len(self.boundaries) + 2 * len(self.keys) + 3 + 2
+
     def pack(self, meter, link, loss, max_loss, leak, peak, checksum, device) -> torch.Tensor:
-        values = [loss, max_loss, peak, float(sum(meter.collectives.values())),
-                  float(meter.collective_rounds)]  # fmt: skip
+        """The row; ``loss``/``max_loss`` floats or device scalars (the last stage's)."""
+        losses = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                              for v in (loss, max_loss)])  # fmt: skip
+        values = [peak, float(sum(meter.collectives.values())), float(meter.collective_rounds)]
         values += [float(getattr(meter, c)[b]) for c in self.COUNTERS for b in self.boundaries]
         values += [float(meter.messages[key]) for key in self.keys]
         values += [meter.wait_s[key] for key in self.keys]
@@ -304,10 +328,10 @@ class _StageRow:
         head = torch.tensor(values, dtype=torch.float64, device=device)
         no_leak = torch.full((1,), -1.0, dtype=torch.float64, device=device)
         ids = torch.zeros((), dtype=torch.int64, device=device) if checksum is None else checksum
-        return torch.cat([head, no_leak if leak is None else leak.to(device).reshape(1),
+        return torch.cat([losses, head, no_leak if leak is None else leak.to(device).reshape(1),
                           ids.reshape(1).view(torch.float64)])  # fmt: skip
 
-    def agree(self, rows: torch.Tensor, step: int, *, has_link: bool, has_ids: bool) -> dict:
+    def agree(self, rows: torch.Tensor, step: int, *, has_link: bool) -> dict:
         """The metrics from every stage's row (``rows``: ``[stages, width]``; one host read)."""
         ids = rows[:, -1].contiguous().view(torch.int64).tolist()
         table = rows[:, :-1].tolist()
@@ -351,9 +375,8 @@ class _StageRow:
             metrics[f"memory/peak_gib/s{s}"] = r[2] / 1024**3
         if has_link:
             metrics["wan/wait_s"], metrics["wan/wire_s"], metrics["wan/collective_s"] = link_sums
-        if has_ids:
-            _check_ids(ids, step)
-            metrics["data/ids_checksum"] = ids[0] % 2**24
+        _check_ids(ids, step)
+        metrics["data/ids_checksum"] = ids[0] % 2**24
         return metrics
 
 

@@ -64,22 +64,31 @@ codecs, ResBM's encoder and decoder in the selective recompute. Seconds = FLOPs 
 the rest.
 
 Step time: GPipe runs every microbatch forward through the S stages and S - 1 links, then
-backward. A link takes ``transfer_seconds`` per microbatch message of ``m`` bytes: ``8 R w /
-bandwidth + latency`` with ``w`` the message's bytes with their TCP/IP headers (the ``R``
-data-parallel replicas of a boundary share the link; one replica's messages pay the latency one
-after another, as ``protocol_models.wire.link`` simulates; sizes and times:
-``wire.sizes.message_bytes``, ``wire.link``). gloo's transport is receiver-driven: a stage posts
-its next receive only after computing the previous microbatch, and the sender writes only once
-that receive's notice crossed the link, so a link and the stage it feeds serve a microbatch
-together, in ``latency + transfer + the stage's compute`` (``wire.link.rendezvous_period``).
-A pass over servers with per-microbatch times ``t_i`` (stages, and each link with the stage behind
-it) takes ``sum(stage t_i) + links x transfer + (M - 1) max(t_i)``: with no link and equal
-stages, ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
-Step = forward pass + backward pass (1F1B has the same bubble and is predicted alike), plus, for
-a method whose boundary stages exchange weights' gradients before the optimizer step (MAPL:
-``sync_bytes``), one transfer of the larger direction, every boundary at once. FSDP's
-collectives inside a region, the gradient-norm and non-finite-check all-reduces (latency-bound,
-once per step) and the optimizer step are not counted.
+backward. A link is a server of its own: a microbatch message of ``m`` bytes occupies it for
+``w = 8 R m' / bandwidth`` (``m'``: the bytes with their TCP/IP headers; the ``R`` data-parallel
+replicas of a boundary share the link) and arrives one latency ``L`` after it left; messages
+queued back to back overlap their latencies, as ``protocol_models.wire.link`` simulates (sizes:
+``wire.sizes.message_bytes``). With pre-posted receives (``[transport] prepost_receives``, the
+default) every receive is posted before its message is sent, so a pass over servers with
+per-microbatch times ``t_i`` takes ``sum(stage t_i) + links (w + L) + (M - 1) max(t_i, w)``:
+with no link and equal stages ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
+Without pre-posting, gloo's receiver-driven transport has a stage post its next receive only
+after computing the previous microbatch, and the sender writes only once that receive's notice
+crossed the link, so a link and the stage it feeds serve a microbatch together in ``L + w + L +
+the stage's compute`` (``wire.link.rendezvous_period``). Step = forward pass + backward pass
+(1F1B has the same bubble and is predicted alike) + the collectives across the pipeline: none
+with ``[transport] exchange_grad_norm`` (the norm's exchange overlaps the next step's fill, and
+a log step's metrics travel with it unless a loss is reduced over data-parallel replicas, when
+they take one all-gather of ``S - 1`` latency rounds every ``log_freq`` steps); without it,
+TorchTitan's gradient-norm all-reduce, ``2 (S - 1)`` rounds, and the all-gather every log step
+(``wire.meter.ring_rounds``); plus, for a method whose boundary stages exchange weights'
+gradients before the optimizer step (MAPL: ``sync_bytes``), one transfer of the larger
+direction, every boundary at once. The prediction is printed as its terms: ``compute`` (``M``
+times the slowest stage's per-microbatch forward, and backward), ``bubble`` (the other stages'
+share of the passes: the pipeline's fill and drain), ``latency`` (the fill and drain's ``2 (S -
+1) L``), ``bytes`` (serialization: each pass's first message per link, and a link slower than
+every stage) and ``collectives``. FSDP's collectives inside a region and the optimizer step are
+not counted.
 
 Proposed split: over the ``layers_per_stage`` whose every stage fits, the one with the smallest
 busiest-stage compute time per step (a stage's blocks are constrained unless it is the last;
@@ -108,7 +117,8 @@ from protocol_models.model import build_model_config
 from protocol_models.optimizers import OPTIMIZERS
 from protocol_models.pipeline import split_stage
 from protocol_models.wire import codec_for
-from protocol_models.wire.link import rendezvous_period, transfer_seconds
+from protocol_models.wire.link import rendezvous_period, serialization_seconds, transfer_seconds
+from protocol_models.wire.meter import ring_rounds
 from protocol_models.wire.sizes import message_bytes as boundary_message_bytes
 
 GIB = 1024**3
@@ -399,39 +409,66 @@ def predict_step(
     config, plans: list[StagePlan], bandwidth_mbps: float | None, latency_ms: float, mfu: float
 ) -> dict:
     """The predicted step of ``plans`` (module docstring: per-stage compute per microbatch, the
-    links as pipeline servers, a forward then a backward pass), as seconds: ``busiest_compute_s``
-    (the busiest stage's compute per step), ``link_s`` (one forward message on a link),
-    ``step_s``; and ``tokens_per_s`` over all data-parallel replicas."""
+    links as pipeline servers, a forward then a backward pass, the collectives), as seconds:
+    ``busiest_compute_s`` (the busiest stage's compute per step), ``link_s`` (one forward
+    message on a link), the terms ``compute_s``, ``bubble_s``, ``latency_s``, ``bytes_s``,
+    ``collectives_s`` and their sum ``step_s``; and ``tokens_per_s`` over all data-parallel
+    replicas."""
     _, n_mb, _ = _microbatching(config)
-    replicas = config.replicas
+    replicas, transport = config.replicas, config.transport
     bandwidth_bps = bandwidth_mbps * 1e6 if bandwidth_mbps else math.inf
+    latency = latency_ms / 1e3
+    terms = dict.fromkeys(("compute_s", "bubble_s", "latency_s", "bytes_s", "collectives_s"), 0.0)
 
-    def link_seconds(nbytes: int) -> float:
-        return transfer_seconds(replicas * nbytes, bandwidth_bps, latency_ms / 1e3)
+    def wire_seconds(nbytes: int) -> float:
+        return serialization_seconds(replicas * nbytes, bandwidth_bps)
 
-    def one_pass(stage_seconds: list[float], link: float) -> float:
-        """``stage_seconds`` in the order the pass visits them; a receiving stage and its
-        inbound link serve a microbatch together (``rendezvous_period``)."""
-        links = len(stage_seconds) - 1
-        periods = [
-            rendezvous_period(link, latency_ms / 1e3, receiver) for receiver in stage_seconds[1:]
-        ]
-        slowest = max(stage_seconds + periods)
-        return sum(stage_seconds) + links * link + (n_mb - 1) * slowest
+    def one_pass(stage_seconds: list[float], nbytes: int) -> None:
+        """Add one pass over ``stage_seconds`` (in the order it visits them) to ``terms``."""
+        links, wire, slowest = len(stage_seconds) - 1, wire_seconds(nbytes), max(stage_seconds)
+        terms["compute_s"] += n_mb * slowest
+        terms["bubble_s"] += sum(stage_seconds) - slowest
+        terms["latency_s"] += links * latency
+        if transport.prepost_receives:
+            terms["bytes_s"] += links * wire + (n_mb - 1) * max(0.0, wire - slowest)
+            return
+        periods = [rendezvous_period(wire + latency, latency, t) for t in stage_seconds[1:]]
+        terms["bytes_s"] += links * wire  # the rest of the rendezvous stall counts as latency
+        terms["latency_s"] += (n_mb - 1) * max([0.0, *(p - slowest for p in periods)])
 
     fwd_msg, bwd_msg = message_bytes(config)
     fwd = [_compute_seconds(config, p.fwd_flops, mfu) for p in plans]
     bwd = [_compute_seconds(config, p.bwd_flops, mfu) for p in plans]
-    step = one_pass(fwd, link_seconds(fwd_msg)) + one_pass(bwd[::-1], link_seconds(bwd_msg))
+    one_pass(fwd, fwd_msg)
+    one_pass(bwd[::-1], bwd_msg)
+    terms["collectives_s"] = collective_rounds_per_step(config) * latency
     if any(sync_bytes(config)):  # every boundary's exchange at once, before the optimizer step
-        step += link_seconds(max(sync_bytes(config)))
+        terms["collectives_s"] += transfer_seconds(
+            replicas * max(sync_bytes(config)), bandwidth_bps, latency
+        )
+    step = sum(terms.values())
     tokens = replicas * config.training.local_batch_size * config.training.seq_len
     return {
         "busiest_compute_s": n_mb * max(f + b for f, b in zip(fwd, bwd, strict=True)),
-        "link_s": link_seconds(fwd_msg),
+        "link_s": wire_seconds(fwd_msg) + latency,
+        **terms,
         "step_s": step,
         "tokens_per_s": tokens / step,
     }
+
+
+def collective_rounds_per_step(config) -> float:
+    """Latency rounds of the collectives across the pipeline on a step's critical path, on
+    average (module docstring): the gradient norm's all-reduce unless it is exchanged, and a
+    log step's all-gather (every ``log_freq`` steps) unless its rows travel with the exchange."""
+    stages = config.layout_stages
+    if stages < 2:
+        return 0.0
+    exchanged = config.transport.exchange_grad_norm
+    rounds = 0.0 if exchanged else ring_rounds("all_reduce", stages)
+    if not exchanged or config.replicas > 1:
+        rounds += ring_rounds("all_gather", stages) / config.metrics.log_freq
+    return rounds
 
 
 def _compute_seconds(config, flops: float, mfu: float) -> float:
@@ -526,7 +563,12 @@ def render(
     rows = [
         ("busiest stage compute per step", lambda r: f"{r['busiest_compute_s']:.2f} s"),
         ("one forward message on a link", lambda r: f"{r['link_s']:.3f} s"),
-        ("predicted step time", lambda r: f"{r['step_s']:.2f} s"),
+        ("step: compute (slowest stage x M)", lambda r: f"{r['compute_s']:.2f} s"),
+        ("+ bubble (pipeline fill and drain)", lambda r: f"{r['bubble_s']:.2f} s"),
+        ("+ latency (fill and drain on the links)", lambda r: f"{r['latency_s']:.2f} s"),
+        ("+ bytes (serialization)", lambda r: f"{r['bytes_s']:.2f} s"),
+        ("+ collectives across the pipeline", lambda r: f"{r['collectives_s']:.2f} s"),
+        ("= predicted step time", lambda r: f"{r['step_s']:.2f} s"),
         (f"tokens/s ({world} GPUs)", lambda r: f"{r['tokens_per_s']:,.0f}"),
     ]
     for name, cell in rows:

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, NamedTuple
@@ -175,7 +176,10 @@ class ProtocolTrainer(Trainer):
         self.check_stages_agree()
         self.table_digest = self.model_parts[0].table_sha256
         self.norm_exchange = None
-        if self.parallel_dims.pp_enabled and config.transport.exchange_grad_norm:
+        self._step_losses: list[torch.Tensor] = []
+        """This step's losses, one per gradient-accumulation step (``forward_backward_step``)."""
+        dims = self.parallel_dims
+        if dims.pp_enabled and not dims.ep_enabled and config.transport.exchange_grad_norm:
             group = self.parallel_dims.get_mesh("pp").get_group()
             ranks = dist.get_process_group_ranks(group)
             self.norm_exchange = NormExchange(ranks, self.device, self.wire.meter, self.wire.link)
@@ -276,6 +280,11 @@ class ProtocolTrainer(Trainer):
         self.metrics_processor.ids_checksum.add(inputs)
         return inputs, labels, add_protocol_kwargs(inputs, labels, extra, self.model_config)
 
+    def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        loss = super().forward_backward_step(**kwargs)
+        self._step_losses.append(loss.detach().clone())  # a CUDA graph's replay reuses it
+        return loss
+
     def train_step(self, data_iterator):
         self.progress.begin(self.step)
         self.optimizers.current_step = self.step
@@ -285,14 +294,61 @@ class ProtocolTrainer(Trainer):
         measure = self.metrics_processor.should_log(self.step)
         for part in self.model_parts:
             part.start_leak_window(measure)
-        with exchanging_grad_norm(self.optimizers, self.norm_exchange, self.wire):
+        self._step_losses = []
+        with exchanging_grad_norm(
+            self.optimizers,
+            self.norm_exchange,
+            self.wire,
+            schedule_done=self._post_next_step if self._training_step_follows() else None,
+            metrics_row=self._metrics_row if measure and self._rows_travel_with_norm() else None,
+            metrics=self.metrics_processor,
+        ):
             super().train_step(data_iterator)
         if measure:
             logger.info(self.progress.line(self.step))
 
+    def _training_step_follows(self) -> bool:
+        """Whether the next schedule step of this run is surely another training step: not the
+        last step, no validation after this one, and data that cannot run out (a step that
+        finds none is cancelled before its forward)."""
+        validator = self.config.validator
+        return (
+            self.step < self.config.training.steps
+            and not (validator.enable and self.validator.should_validate(self.step))
+            and self.config.dataloader.infinite
+        )
+
+    def _post_next_step(self) -> None:
+        """This step's schedule is done: every stage posts the next step's forward receives now,
+        so that each is posted before its sender sends (``WirePipelineStage.post_next_forward``)."""
+        for stage in self.wire.stages:
+            stage.post_next_forward()
+
+    def _rows_travel_with_norm(self) -> bool:
+        """Whether a log step's metrics rows ride on the gradient-norm exchange: it runs, and the
+        logged loss is the last stage's own (no data-parallel or context-parallel reduction)."""
+        return self.norm_exchange is not None and not self.parallel_dims.dp_cp_enabled
+
+    def _metrics_row(self) -> torch.Tensor:
+        """This stage's metrics row for the exchange, with the step's loss as TorchTitan logs it
+        without data parallelism: the sum of its gradient-accumulation steps' losses, in order
+        (only the last stage's is read)."""
+        loss = self._step_losses[0].clone()
+        for more in self._step_losses[1:]:
+            loss.add_(more)
+        return self.metrics_processor.stage_row(loss, loss)
+
 
 @contextlib.contextmanager
-def exchanging_grad_norm(optimizers, exchange: NormExchange | None, wire: Wire):
+def exchanging_grad_norm(
+    optimizers,
+    exchange: NormExchange | None,
+    wire: Wire,
+    *,
+    schedule_done: Callable[[], None] | None = None,
+    metrics_row: Callable[[], torch.Tensor] | None = None,
+    metrics: ProtocolMetricsProcessor | None = None,
+):
     """For one TorchTitan ``train_step``: its gradient clipping (``clip_grad_norm_``) reduces the
     norm over the pipeline stages with ``exchange`` (``wire.norm_exchange``: no all-reduce on
     the critical path across the slow links) instead of an all-reduce -- everything else as
@@ -300,11 +356,17 @@ def exchanging_grad_norm(optimizers, exchange: NormExchange | None, wire: Wire):
     -- and hands the global norm to the optimizer container, whose non-finite guard reads it
     instead of agreeing on a flag in a collective of its own. Without pipeline parallelism,
     with expert parallelism or a norm other than 2, TorchTitan's own clipping runs (with
-    pipeline parallelism its all-reduce is counted on ``wire``'s meter and link)."""
+    pipeline parallelism its all-reduce is counted on ``wire``'s meter and link).
+
+    ``schedule_done`` runs first thing in the clipping (the step's schedule is over). With
+    ``metrics_row`` (a log step), this stage's metrics row (``[width]`` float64) travels in the
+    exchange, and every stage's rows go to ``metrics.exchanged_rows`` for the log."""
     clip = dist_utils.clip_grad_norm_
 
     def clip_exchanged(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                        foreach=None, pp_mesh=None, ep_enabled=False):  # fmt: skip
+        if schedule_done is not None:
+            schedule_done()
         if exchange is None or pp_mesh is None or ep_enabled or norm_type != 2.0:
             norm = clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh,
                         ep_enabled)  # fmt: skip
@@ -316,13 +378,15 @@ def exchanging_grad_norm(optimizers, exchange: NormExchange | None, wire: Wire):
             local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
             if isinstance(local, DTensor):  # partial over the data-parallel shards
                 local = local.full_tensor()
-            norm = exchange.global_norm(local)
+            norm = exchange.global_norm(local, metrics_row() if metrics_row else None)
+            if metrics_row is not None:
+                metrics.exchanged_rows = exchange.rows
             torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach)
         optimizers.reduced_grad_norm = norm
         return norm
 
     if exchange is not None:
-        exchange.post()
+        exchange.post(metrics.stage_row_width() if metrics_row else 0)
     dist_utils.clip_grad_norm_ = clip_exchanged
     try:
         yield

@@ -164,21 +164,43 @@ def test_1f1b_and_the_chunked_loss_shrink_the_last_stage():
 
 
 def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
-    config = load_config(None, TINY, check_environment=False)
+    """3 stages, 4 microbatches, 2 data-parallel replicas sharing each link, every step logged
+    (``metrics.log_freq = 1``):
+    the pass formula with pre-posted receives (links as servers of their own) and without
+    (a link and the stage it feeds serve a microbatch together), split into its terms, plus
+    the collectives' latency rounds."""
+    logged = [*TINY, "--metrics.log_freq", "1"]
+    config = load_config(None, logged, check_environment=False)
     flops = 1e12
     plans = [StagePlan(s, range(s, s + 1), 0, {}, flops, 2 * flops) for s in range(3)]
     t = flops / (0.5 * 121e12)
     stages, microbatches = 3, 4
     alone = predict_step(config, plans, None, 0.0, mfu=0.5)
     assert alone["step_s"] == pytest.approx((microbatches + stages - 1) * 3 * t)  # GPipe bubble
+    assert alone["compute_s"] == pytest.approx(microbatches * 3 * t)
+    assert alone["bubble_s"] == pytest.approx((stages - 1) * 3 * t)
     linked = predict_step(config, plans, 80.0, 50.0, mfu=0.5)
     payload = 2 * (32 * 4 * 2)  # 2 replicas share the link; 32 tokens x k=4 x bf16
-    w = 8 * (payload + 52) / 80e6 + 0.05  # one TCP segment's headers
-    # a link and the stage it feeds serve a microbatch together, after the receiver's notice
-    fwd = 3 * t + 2 * w + 3 * max(t, 0.05 + w + t)
-    bwd = 3 * 2 * t + 2 * w + 3 * max(2 * t, 0.05 + w + 2 * t)
-    assert linked["step_s"] == pytest.approx(fwd + bwd)
-    assert linked["tokens_per_s"] == pytest.approx(2 * 8 * 16 / (fwd + bwd))
+    w = 8 * (payload + 52) / 80e6  # one TCP segment's headers
+    # the norm is exchanged, but the replicas' losses need a reduction: the log step's metrics
+    # take one all-gather (2 rounds at 3 stages) every step (log_freq 1)
+    gather = 2 * 0.05
+    fwd = 3 * t + 2 * (w + 0.05) + 3 * max(t, w)
+    bwd = 3 * 2 * t + 2 * (w + 0.05) + 3 * max(2 * t, w)
+    assert linked["step_s"] == pytest.approx(fwd + bwd + gather)
+    assert linked["latency_s"] == pytest.approx(4 * 0.05)
+    assert linked["bytes_s"] == pytest.approx(4 * w)
+    assert linked["collectives_s"] == pytest.approx(gather)
+    assert linked["tokens_per_s"] == pytest.approx(2 * 8 * 16 / (fwd + bwd + gather))
+    just_in_time = load_config(None, [*logged, "--transport.prepost_receives", "false",
+                                      "--transport.exchange_grad_norm", "false"],
+                               check_environment=False)  # fmt: skip
+    jit = predict_step(just_in_time, plans, 80.0, 50.0, mfu=0.5)
+    link = w + 0.05
+    fwd = 3 * t + 2 * link + 3 * max(t, 0.05 + link + t)
+    bwd = 3 * 2 * t + 2 * link + 3 * max(2 * t, 0.05 + link + 2 * t)
+    all_reduce = 4 * 0.05
+    assert jit["step_s"] == pytest.approx(fwd + bwd + all_reduce + gather)
 
 
 def test_proposed_split_is_the_fastest_that_fits():

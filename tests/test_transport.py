@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, torchrun
+from conftest import REPO, TINY, VALIDATE_AT_END, torchrun
 
 from protocol_models.wire.message import MessageLayout
 from protocol_models.wire.stage import p2p_per_direction
@@ -46,7 +46,8 @@ def test_preposted_receives_equal_just_in_time(tmp_path, schedule, wire):
 @pytest.mark.parametrize("stages", [2, 3])
 def test_exchanged_gradient_norm_equals_the_all_reduce(tmp_path, stages):
     """The norm summed from exchanged messages in stage order is TorchTitan's all-reduced norm:
-    bit for bit at 2 stages (one addition), to float rounding at 3 (another summation order)."""
+    bit for bit at 2 stages (one addition), to float rounding at 3 (another summation order);
+    the metrics rows that travel with it log what the all-gathered rows log."""
     runs = {
         on: torchrun(stages, tmp_path / on, "--transport.exchange_grad_norm", on)
         for on in ("true", "false")
@@ -57,6 +58,8 @@ def test_exchanged_gradient_norm_equals_the_all_reduce(tmp_path, stages):
             assert exchanged == reduced, key
         else:
             assert exchanged == pytest.approx(reduced, rel=1e-6), key
+    for key in ("wire/fwd_bytes", "wire/bwd_bytes", "wire/messages", "data/ids_checksum"):
+        assert [r[key] for r in runs["true"]] == [r[key] for r in runs["false"]], key
 
 
 def test_one_message_per_microbatch_with_the_link_stamp(tmp_path):
@@ -87,12 +90,15 @@ def _steps(count_log: Path) -> dict[int, list[str]]:
 
 
 @pytest.mark.parametrize("exchange", ["true", "false"])
-def test_one_collective_per_non_log_step(tmp_path, exchange):
-    """Counted by the collective probe over steps 2-6 of 2 stages, logging at steps 1, 3 and 6.
-    A non-log step reduces the gradient norm -- by the exchange of pre-posted messages (no
-    collective at all) or TorchTitan's all-reduce over the pipeline group -- and nothing else:
-    the non-finite guard reads that norm. A log step adds one all-gather of its metrics, and
-    ``wire/collectives`` counts both."""
+def test_collectives_per_step(tmp_path, exchange):
+    """Counted by the collective probe over steps 2-6 of 2 stages, logging at steps 1, 3 and 6
+    and validating after steps 1 and 4. With the exchange a step runs no collective across the
+    pipeline at all: the gradient norm and, on a log step, the metrics rows travel in
+    pre-posted messages, and the non-finite guard reads that norm. Without it, TorchTitan's
+    all-reduce of the norm every step and one all-gather of the metrics rows on a log step;
+    ``wire/collectives`` counts them (a validation adds the broadcast of its loss). Every step
+    followed directly by a training step (not the last, none before a validation) posts the
+    next step's forward receives early."""
     count = tmp_path / "count.log"
     env = {
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
@@ -102,19 +108,24 @@ def test_one_collective_per_non_log_step(tmp_path, exchange):
     }  # fmt: skip
     records = torchrun(
         2, tmp_path / "run", "--training.steps", "6", "--metrics.log_freq", "3",
-        "--transport.exchange_grad_norm", exchange, env=env,
+        "--transport.exchange_grad_norm", exchange, *VALIDATE_AT_END[:2], "--validator.freq",
+        "4", "--validator.steps", "1", env=env,
     )  # fmt: skip
     logged = [r["step"] for r in records]
     assert logged == [1, 3, 6]
-    norm = [] if exchange == "true" else ["all_reduce 2"]
+    norm, gather = ([], []) if exchange == "true" else (["all_reduce 2"], ["all_gather_single 2"])
     for rank in (0, 1):
         per_step = _steps(count.with_name(f"{count.name}.rank{rank}"))
         assert sorted(per_step) == [1, 2, 3, 4, 5, 6]
-        for step, collectives in per_step.items():
+        for step, lines in per_step.items():
+            early = ["post_next_forward"] if step in (2, 3, 5) else []
+            assert [line for line in lines if line == "post_next_forward"] == early, step
             if step == 1:  # torch's one-time pipeline metadata inference may gather too
                 continue
-            assert collectives == norm + (["all_gather_single 2"] if step in logged else []), step
-    assert all(r["wire/collectives"] == 2 for r in records)
+            collectives = [line for line in lines if line != "post_next_forward"]
+            validation = ["broadcast 2"] if step == 4 else []  # its loss, from the last stage
+            assert collectives == norm + (gather if step in logged else []) + validation, step
+    assert all(r["wire/collectives"] == (1 if exchange == "true" else 2) for r in records)
 
 
 def test_message_layout_packs_parts_at_aligned_offsets():
@@ -178,9 +189,10 @@ def test_tcp_check_names_the_fix_in_one_line(tmp_path):
         "net.core.rmem_max=2000000"
     )
     slow = tcp_advice(350, 80, _sysctl_tree(tmp_path / "b", **{
-        "net.ipv4.tcp_available_congestion_control": "reno cubic bbr"}))  # fmt: skip
+        "net.ipv4.tcp_available_congestion_control": "reno cubic bbr",
+        "net.ipv4.tcp_congestion_control": "bbr"}))  # fmt: skip
     assert "net.ipv4.tcp_wmem='4096 16384 14000000'" in slow
-    assert "net.ipv4.tcp_congestion_control=bbr" in slow
+    assert "net.ipv4.tcp_congestion_control=cubic" in slow
     tuned = _sysctl_tree(tmp_path / "c", **{
         "net.ipv4.tcp_slow_start_after_idle": "0", "net.core.wmem_max": "4194304",
         "net.core.rmem_max": "4194304"})  # fmt: skip

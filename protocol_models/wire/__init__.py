@@ -13,13 +13,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protocol_models.boundary import BOUNDARIES
 from protocol_models.wire.codecs import CODECS, Codec, build_codec
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.meter import WireMeter, ring_rounds
 from protocol_models.wire.rvq import ResidualVQ
+
+if TYPE_CHECKING:
+    from protocol_models.wire.stage import WirePipelineStage
 
 
 def modes() -> list[str]:
@@ -42,12 +46,14 @@ class Wire:
     """The wire parts of one run (one of each, built once): the meter every stage counts into,
     the lossy codec of the mode (None: exact) used at the transport hook of a pipelined run or
     in-graph in a single-process run, the slow-link simulator (None: ``[wan]`` off), and
-    whether stages pre-post their receives (``[transport] prepost_receives``)."""
+    whether stages pre-post their receives (``[transport] prepost_receives``); the pipeline
+    stages this rank runs register themselves in ``stages``."""
 
     meter: WireMeter
     codec: Codec | None
     link: SimulatedLink | None
     prepost: bool = True
+    stages: list[WirePipelineStage] = field(default_factory=list)
 
     def collective(self, purpose: str, kind: str, ranks: int) -> None:
         """A ring ``kind`` collective over the ``ranks`` pipeline stages just ran, for

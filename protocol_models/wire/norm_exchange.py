@@ -14,8 +14,10 @@ message needs that latency too. The exchange costs no extra latency on the step;
 the same on every stage (one fixed order), and for two stages equals the all-reduce's bit for
 bit (``a + b == b + a``).
 
-Each message is ``[n_s^2, clock]`` in float64 (the squared norm's own dtype converts exactly);
-``clock`` is the sender's time for the link simulator, which delays each value by its latency.
+Each message is ``[n_s^2, clock, row...]`` in float64 (the squared norm's own dtype converts
+exactly); ``clock`` is the sender's time for the link simulator, which delays each value by its
+latency. On a log step the stage's metrics row (``metrics._StageRow``) rides along, so the log
+step needs no collective of its own: every stage then holds every stage's row (``rows``).
 Messages to higher-ranked stages travel on one group, to lower-ranked on another: NCCL runs a
 communicator's operations in the order they were issued, and a receive posted at the step's start
 on a communicator shared with the send to the same peer would wait for ever.
@@ -44,47 +46,65 @@ class NormExchange:
         self.to_higher = dist.new_group(ranks, use_local_synchronization=True)
         self.to_lower = dist.new_group(ranks, use_local_synchronization=True)
         self._posted: list[tuple[int, torch.Tensor, dist.Work]] = []
+        self._row_width = 0
+        self.rows: torch.Tensor | None = None
+        """``[stages, width]`` float64: every stage's metrics row, from the last exchange that
+        carried rows (``post(row_width > 0)``); None otherwise."""
 
     def _group(self, sender: int, receiver: int) -> dist.ProcessGroup:
         return self.to_higher if receiver > sender else self.to_lower
 
-    def post(self) -> None:
-        """Post this step's receives, one from every other stage (at the step's start)."""
+    def post(self, row_width: int = 0) -> None:
+        """Post this step's receives, one from every other stage (at the step's start), each
+        with room for a metrics row of ``row_width`` values (0: no row this step). Counts the
+        exchange on the meter."""
         if self._posted:
             raise RuntimeError("the previous step's gradient norms were never reduced")
+        self._row_width, self.rows = row_width, None
         for peer in range(len(self.ranks)):
             if peer == self.stage:
                 continue
-            buffer = torch.empty(2, dtype=torch.float64, device=self.device)
+            buffer = torch.empty(2 + row_width, dtype=torch.float64, device=self.device)
             group = self._group(peer, self.stage)
             self._posted.append((peer, buffer, dist.irecv(buffer, group=group, group_src=peer)))
+        self.meter.collective("grad_norm", 1)
 
-    def global_norm(self, local_norm: torch.Tensor) -> torch.Tensor:
+    def global_norm(
+        self, local_norm: torch.Tensor, row: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``sqrt(sum_s n_s^2)`` in ``local_norm``'s dtype, summed in stage order, given this
-        stage's norm ``n_s`` (a device scalar, already reduced over its data-parallel shards)."""
+        stage's norm ``n_s`` (a device scalar, already reduced over its data-parallel shards)
+        and, when ``post`` made room for one, this stage's metrics row ``[width]`` float64."""
+        width = 0 if row is None else row.numel()
+        if width != self._row_width:
+            raise ValueError(f"a metrics row of {width} values; {self._row_width} were posted")
         square = local_norm.detach() ** 2
         if self.link is not None:
-            clock = self.link.stamp(self.device).reshape(())
+            clock = self.link.stamp(self.device).reshape(1)
         else:
-            clock = torch.zeros((), dtype=torch.float64, device=self.device)
-        message = torch.stack([square.to(torch.float64), clock])
+            clock = torch.zeros(1, dtype=torch.float64, device=self.device)
+        parts = [square.to(torch.float64).reshape(1), clock]
+        message = torch.cat(parts if row is None else [*parts, row])
         sends = [
             dist.isend(message, group=self._group(self.stage, peer), group_dst=peer)
             for peer in range(len(self.ranks))
             if peer != self.stage
         ]
         squares = {self.stage: square}
+        rows = {self.stage: row}
         arrivals = []
         for peer, buffer, work in self._posted:
             work.wait()
             squares[peer] = buffer[0].to(square.dtype)
             arrivals.append(buffer[1])
+            rows[peer] = buffer[2:]
         self._posted.clear()
         for work in sends:
             work.wait()
-        self.meter.collective("grad_norm", 1)
         if self.link is not None and arrivals:
             self.link.exchange(float(torch.stack(arrivals).max()))
+        if row is not None:
+            self.rows = torch.stack([rows[stage] for stage in range(len(self.ranks))])
         total = squares[0]
         for stage in range(1, len(self.ranks)):
             total = total + squares[stage]

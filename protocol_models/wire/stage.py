@@ -98,7 +98,9 @@ class WirePipelineStage(PipelineStage):
         self._sent: dict[int, Payload] = {}
         self._received: dict[int, Payload] = {}
         self._inbound: dict[tuple[str, int], Inbound] = {}
+        self._forward_posted = False
         self._described: set[str] = set()
+        wire.stages.append(self)
 
     # -- sends ---------------------------------------------------------------------------------
 
@@ -149,21 +151,43 @@ class WirePipelineStage(PipelineStage):
             return []
         return self._recv_ops("bwd", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
 
+    def post_next_forward(self) -> None:
+        """Post the next step's forward receives now: this step's backward is done, so their
+        buffers are free. The trainer calls this when the step's schedule is over and another
+        training step surely follows: the next step's first message is then posted for before
+        its sender sends it, even though this stage still has the optimizer step (and the
+        gradient-norm exchange) ahead. No-op unless receives are pre-posted."""
+        if not self.prepost:
+            return
+        self._check_consumed()
+        self._post("fwd")
+        self._forward_posted = True
+
     def _post_step(self) -> None:
         """Post every receive of the step (forward, and backward when it has one), in
-        microbatch order per direction; the schedule asked for its first forward receive."""
+        microbatch order per direction; the schedule asked for its first forward receive. The
+        forward receives may have been posted already (``post_next_forward``)."""
+        if self._forward_posted:
+            self._forward_posted = False
+        else:
+            self._check_consumed()
+            self._post("fwd")
+        if self.has_backward:
+            self._post("bwd")
+
+    def _check_consumed(self) -> None:
         if self._inbound:
             unconsumed = list(self._inbound)
             raise RuntimeError(f"stage {self.stage_index}: messages never consumed: {unconsumed}")
-        for direction in DIRECTIONS:
-            if direction == "bwd" and not self.has_backward:
-                continue
-            build = super().get_fwd_recv_ops if direction == "fwd" else super().get_bwd_recv_ops
-            chunks = self.args_recv_info if direction == "fwd" else self.grad_recv_info
-            for chunk in sorted(chunks):
-                for op in self._recv_ops(direction, chunk, build(chunk)):
-                    work = op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
-                    self._inbound[(direction, chunk)].work = work
+
+    def _post(self, direction: str) -> None:
+        """Post this step's receives of ``direction``, in microbatch order."""
+        build = super().get_fwd_recv_ops if direction == "fwd" else super().get_bwd_recv_ops
+        chunks = self.args_recv_info if direction == "fwd" else self.grad_recv_info
+        for chunk in sorted(chunks):
+            for op in self._recv_ops(direction, chunk, build(chunk)):
+                work = op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
+                self._inbound[(direction, chunk)].work = work
 
     def _recv_ops(self, direction: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         """The one receive op of this microbatch's message in place of torch's, and the

@@ -3,10 +3,14 @@ settings let a long fat link run at its rate.
 
 On a link of ``R`` bit/s and one-way latency ``L``, TCP keeps at most one socket buffer of
 unacknowledged bytes in flight, so it needs buffers of at least the bandwidth-delay product
-``R * 2L / 8`` (twice that leaves room for loss recovery) to reach the rate; and Linux's default
+``R * 2L / 8`` (twice that leaves room for loss recovery) to reach the rate; Linux's default
 ``tcp_slow_start_after_idle = 1`` restarts every burst after an idle spell from the initial
-window of 10 segments, which costs a pipeline message several round trips. ``tcp_advice`` reads
-this node's settings and returns the one line that fixes them, or None.
+window of 10 segments, which costs a pipeline message several round trips; and BBR paces every
+burst at its estimate of the path's rate, which the pipeline's short bursts between idle spells
+(an application-limited flow) keep far below the link's, so each message is spread over much
+of a round trip -- a loss-based congestion control (CUBIC, Linux's default) sends a message
+that fits its window at once. ``tcp_advice`` reads this node's settings and returns the one
+line that fixes them, or None.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ def read_sysctl(name: str, root: Path = SYSCTL_ROOT) -> str | None:
 def tcp_fixes(mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT) -> dict[str, str]:
     """The sysctl settings to change on this node for a ``mbps`` + ``latency_ms`` link, with
     their new values: slow start after idle off, buffer maxima of at least twice the
-    bandwidth-delay product, and BBR where the kernel offers it while the node runs another
-    congestion control (a loss-based one halves its window at every drop on a long path)."""
+    bandwidth-delay product, and CUBIC instead of BBR where the kernel offers it (module
+    docstring: BBR's pacing delays each pipeline message)."""
     want = 2 * bdp_bytes(mbps, latency_ms)
     fixes: dict[str, str] = {}
     if read_sysctl("net.ipv4.tcp_slow_start_after_idle", root) not in (None, "0"):
@@ -83,8 +87,8 @@ def tcp_fixes(mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT) -> dict[
                 fixes[name] = f"{low} {default} {want}"
     available = (read_sysctl("net.ipv4.tcp_available_congestion_control", root) or "").split()
     current = read_sysctl("net.ipv4.tcp_congestion_control", root)
-    if "bbr" in available and current not in (None, "bbr"):
-        fixes["net.ipv4.tcp_congestion_control"] = "bbr"
+    if current == "bbr" and "cubic" in available:
+        fixes["net.ipv4.tcp_congestion_control"] = "cubic"
     return fixes
 
 

@@ -11,7 +11,8 @@ methods is flagged too (so a new call site cannot escape the probe). Violations 
 
 With ``$COLLECTIVE_PROBE_COUNT`` set, every collective (point-to-point calls excluded) is also
 appended to ``$COLLECTIVE_PROBE_COUNT.rank<r>`` (one file per rank) as ``<name> <group size>``,
-and every training step begins with ``step <n>``: what ``test_transport.py`` counts per step.
+every training step begins with ``step <n>``, and a stage posting the next step's forward
+receives early writes ``post_next_forward``: what ``test_transport.py`` counts per step.
 """
 
 from __future__ import annotations
@@ -128,3 +129,13 @@ for collective_name in COLLECTIVES:
     setattr(dist, collective_name, _checked(collective_name, getattr(dist, collective_name)))
 trainer_class = protocol_models.trainer.ProtocolTrainer
 trainer_class.train_step = _counted_steps(trainer_class.train_step)
+stage_class = protocol_models.wire.stage.WirePipelineStage
+post_next_forward = stage_class.post_next_forward
+
+
+def _counted_post(self):
+    _count("post_next_forward")
+    return post_next_forward(self)
+
+
+stage_class.post_next_forward = _counted_post
