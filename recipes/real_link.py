@@ -1,29 +1,42 @@
 """The transport benchmark: the same pipelined run with the link off, over a real shaped link,
-and under the link simulator.
+and under the link simulator, on 2 and 3 nodes.
 
-    python recipes/real_link.py            # as root; full run: ~25 min on a 2-core CPU
+    python recipes/real_link.py            # as root; full run: ~60 min on a 2-core CPU
     python recipes/real_link.py --quick    # exercises the whole harness in a few minutes
+    python recipes/real_link.py --settings 80x50 --nodes 2 3   # one link setting, both sizes
     python recipes/real_link.py --sim-only # re-measure the simulator, keep the real runs
-    python recipes/real_link.py --settings 80x50   # one link setting (Mbit/s x one-way ms)
+    python recipes/real_link.py --probe-only [--stock-buffers]   # the 2-node probes again
+        # (--stock-buffers: at a stock host's 212,992 B socket buffer maxima, plus one dense
+        # real run per setting)
 
-The workload is ``configs/debug_cpu.toml`` (d=256, 8 layers, 2 GPipe stages, 4 microbatches of
-2 x 256 tokens, validation off), once per mode (``dense`` and ``subspace`` k=8), at each link
-setting (bandwidth, one-way delay):
+The workload is ``configs/debug_cpu.toml`` (d=256, 8 layers, GPipe, 4 microbatches of 2 x 256
+tokens, every step logged, validation off) on ``nodes`` pipeline stages (2, or 3 in a chain),
+once per mode (``dense`` and ``subspace`` k=8), at each link setting (bandwidth, one-way delay):
 
-* **link off**: two local processes, no link (the throughput a link should keep);
-* **real**: two ``torchrun`` nodes (``--nnodes 2``, one process each), one per network namespace
-  of ``recipes.tun_relay``, the pipeline's gloo traffic (and the rendezvous store's) crossing a
-  userspace relay that shapes the rate and delays every packet; each namespace first gets the
-  TCP settings ``protocol_models.wire.transport.tcp_fixes`` recommends for the link (recorded);
-  before the runs, the link is probed (``recipes.link_probe``: UDP round trip, bulk TCP rate,
-  the cost of one gloo message posted before and after its send);
-* **simulated**: two local processes, no relay, ``--wan.bandwidth_mbps/--wan.latency_ms``.
+* **link off**: ``nodes`` local processes, no link (the throughput a link should keep);
+* **real**: ``nodes`` ``torchrun`` nodes (one process each), one per network namespace of
+  ``recipes.tun_relay``, every byte between them (gloo's and the rendezvous store's) crossing a
+  userspace relay that shapes the rate and delays every packet, each pair of nodes over a link
+  of its own; each namespace first gets the TCP settings
+  ``protocol_models.wire.transport.tcp_fixes`` recommends for the link (recorded); before the
+  2-node runs the link is probed (``recipes.link_probe``: UDP round trip, bulk TCP rate, the
+  cost of one gloo message posted before and after its send; ``scripts/p2p_check.py`` over
+  gloo: whether a late receive costs a round trip more); the relay's drop counts per run are
+  recorded;
+* **simulated**: ``nodes`` local processes, no relay, ``--wan.bandwidth_mbps/--wan.latency_ms``.
 
-Tokens/s uses the steady-state step time (``recipes.common.steady_step_time``, 5-step windows).
-``--sim-only`` keeps the real runs and probes of an earlier ``results.json`` and moves its
-simulated runs to ``sim_before`` (with the commit they were measured at), so a change to the link
-model is judged against the same real measurements. Every worker runs with
-``OMP_NUM_THREADS=1``; results.json keeps each run's per-step times and losses.
+The link-off and real runs come in pairs, ``--repeats`` of them, one right after the other: this
+machine's compute speed drifts by several percent over minutes, and a pair shares it. Tokens/s
+uses each run's steady-state step time (``recipes.common.steady_step_time``, 5-step windows);
+a row reports the median over its repeats, and ``kept`` is the real median over the link-off
+median. Each real run also records the median per step of the time its stages waited for each
+boundary's messages and of the messages and collectives that crossed the links.
+
+Every worker runs with ``OMP_NUM_THREADS=1``. results.json is saved after every run and keeps
+each run's per-step times and losses; a rerun skips what it already holds with the same harness
+(``--fresh`` starts anew), so the study resumes where a stopped session left it.
+``--sim-only`` keeps the real runs and moves the simulated ones to ``sim_before`` (with their
+commit), so a change to the link model is judged against the same real measurements.
 
 Writes ``results/real_link/{results.json,table.md,real_vs_simulated.png}``.
 """
@@ -32,8 +45,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -41,83 +56,118 @@ from pathlib import Path
 
 from recipes import tun_relay
 from recipes.common import REPO, steady_step_time, timing_overrides, train
-from recipes.tun_relay import ADDRESSES, DEVICES, Shape, in_namespace, link_namespaces
+from recipes.tun_relay import ADDRESSES, DEVICES, Relay, Shape, in_namespace, link_namespaces
 
 TOML = REPO / "configs" / "debug_cpu.toml"
 SETTINGS = [(10.0, 25.0), (80.0, 50.0)]  # (Mbit/s, one-way ms)
+NODES = [2, 3]
 MODES = ["dense", "subspace"]
 WINDOW = 5  # steps per steady-state window
 MASTER_PORT = 29533
+STOCK_BUFFER_BYTES = 212_992
+"""``net.core.{w,r}mem_max`` of a stock Linux host."""
+STOCK_BUFFER_KEYS = ("net.core.wmem_max", "net.core.rmem_max")
 QUICK = ["--model.dim", "64", "--model.n_layers", "4", "--training.seq_len", "64"]
+PER_STEP = ("wire/messages", "wire/collectives", "wire/collective_rounds")
+"""Counters of what crossed the links each step, kept (median over steady steps) per real run,
+with every ``wire/recv_wait_s/*`` (the time the stages waited for each boundary's messages)."""
 
 
 def setting_key(mbps: float, delay_ms: float) -> str:
     return f"{mbps:g}mbps_{delay_ms:g}ms"
 
 
-def run_overrides(mode: str, steps: int, quick: bool) -> list[str]:
-    """The overrides every run of ``mode`` shares (real and simulated)."""
-    return [*(QUICK if quick else []), "--protocol.mode", mode, *timing_overrides(steps)]
+def run_key(mbps: float, delay_ms: float, nodes: int, mode: str) -> str:
+    return f"{setting_key(mbps, delay_ms)}/{nodes}n/{mode}"
+
+
+def run_overrides(mode: str, nodes: int, steps: int, quick: bool) -> list[str]:
+    """The overrides every run of ``mode`` on ``nodes`` stages shares (off, real, simulated)."""
+    stages = ["--parallelism.pipeline_parallel_degree", str(nodes)]
+    return [*(QUICK if quick else []), "--protocol.mode", mode, *stages, *timing_overrides(steps)]
 
 
 def summarize(records: list[dict]) -> dict:
     """Steady step time (s), tokens/s and whether the windows agreed, from a run's records,
-    with its per-step times and losses."""
+    with its per-step times and losses, and the medians of the per-step link counters."""
     step_s, steady = steady_step_time(records, window=WINDOW)
     tokens_per_step = records[-1]["n_tokens_seen"] / records[-1]["step"]
+    steady_records = records[-3 * WINDOW :]
+    counters = {
+        key: statistics.median(r[key] for r in steady_records)
+        for key in sorted(records[-1])
+        if key in PER_STEP or key.startswith("wire/recv_wait_s/")
+    }
     return {
         "step_s": step_s,
         "steady": steady,
         "tokens_per_s": tokens_per_step / step_s,
         "step_times": [r["time_metrics/end_to_end(s)"] for r in records],
         "losses": [r["loss"] for r in records],
+        "per_step": counters,
     }
 
 
-def link_off(folder: Path, mode: str, steps: int, quick: bool) -> dict:
-    """One run with no link: two local processes."""
+def link_off(folder: Path, mode: str, nodes: int, steps: int, quick: bool) -> dict:
+    """One run with no link: ``nodes`` local processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    records = train(folder, run_overrides(mode, steps, quick), toml=TOML, nproc=2, env=env)
-    return summarize(records)
+    overrides = run_overrides(mode, nodes, steps, quick)
+    return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
 
 
-def apply_tcp_fixes(shape: Shape) -> dict:
-    """Give both namespaces the TCP settings the config check recommends for ``shape``; returns
-    what was set, per namespace (a setting the kernel keeps global is noted as refused)."""
-    applied = {}
-    for side, ns in enumerate(tun_relay.NAMESPACES):
+def apply_tcp_fixes(shape: Shape, nodes: int, skip: tuple[str, ...] = ()) -> dict:
+    """Give every namespace the TCP settings the config check recommends for ``shape`` (but
+    those in ``skip``); returns what was set, per namespace (a setting the kernel refuses is
+    noted as refused). A congestion control a namespace may only choose from the host's
+    allowed list is added to that list first (recorded as ``host``)."""
+    applied: dict[str, dict] = {}
+    for node in range(nodes):
+        ns = tun_relay.NAMESPACES[node]
         ask = (
             "import json; from protocol_models.wire.transport import tcp_fixes; "
             f"print(json.dumps(tcp_fixes({shape.mbps}, {shape.delay_ms})))"
         )
-        out = subprocess.run(in_namespace(side, [sys.executable, "-c", ask]), cwd=REPO,
+        out = subprocess.run(in_namespace(node, [sys.executable, "-c", ask]), cwd=REPO,
                              capture_output=True, text=True, check=True)  # fmt: skip
-        fixes = json.loads(out.stdout)
         applied[ns] = {}
-        for name, value in fixes.items():
-            done = subprocess.run(in_namespace(side, ["sysctl", "-q", "-w", f"{name}={value}"]),
+        for name, value in json.loads(out.stdout).items():
+            if name in skip:
+                continue
+            if name == "net.ipv4.tcp_congestion_control":
+                applied["host"] = allow_congestion_control(value)
+            done = subprocess.run(in_namespace(node, ["sysctl", "-q", "-w", f"{name}={value}"]),
                                   capture_output=True)  # fmt: skip
             applied[ns][name] = value if done.returncode == 0 else f"refused ({value})"
     return applied
 
 
-def simulated(folder: Path, mode: str, shape: Shape, steps: int, quick: bool) -> dict:
-    """One run with the link simulator: two local processes."""
+def allow_congestion_control(name: str) -> dict:
+    """Add ``name`` to the host's ``net.ipv4.tcp_allowed_congestion_control`` (a namespace can
+    only pick from it); returns the setting as it now is."""
+    key = "net.ipv4.tcp_allowed_congestion_control"
+    read = lambda: subprocess.run(["sysctl", "-n", key], capture_output=True, text=True)  # noqa: E731
+    allowed = read().stdout.split()
+    if name not in allowed:
+        subprocess.run(["sysctl", "-q", "-w", f"{key}={' '.join([*allowed, name])}"], check=False)
+    return {key: read().stdout.strip()}
+
+
+def simulated(folder: Path, mode: str, nodes: int, shape: Shape, steps: int, quick: bool) -> dict:
+    """One run with the link simulator: ``nodes`` local processes."""
     wan = ["--wan.bandwidth_mbps", str(shape.mbps), "--wan.latency_ms", str(shape.delay_ms)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    records = train(folder, [*run_overrides(mode, steps, quick), *wan], toml=TOML, nproc=2,
-                    env=env)  # fmt: skip
-    return summarize(records)
+    overrides = [*run_overrides(mode, nodes, steps, quick), *wan]
+    return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
 
 
-def node_command(node: int, folder: Path, overrides: list[str]) -> list[str]:
-    """torchrun for node ``node`` (0 or 1) in its namespace; node 0 hosts the store."""
+def node_command(node: int, nodes: int, folder: Path, overrides: list[str]) -> list[str]:
+    """torchrun for node ``node`` of ``nodes`` in its namespace; node 0 hosts the store."""
     torchrun = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
-        "2",
+        str(nodes),
         "--node_rank",
         str(node),
         "--nproc_per_node",
@@ -135,16 +185,16 @@ def node_command(node: int, folder: Path, overrides: list[str]) -> list[str]:
         *overrides,
     ]
     env = ["env", f"GLOO_SOCKET_IFNAME={DEVICES[node]}", "PROTOCOL_MODELS_DEVICE=cpu"]
-    env.append("OMP_NUM_THREADS=1")  # what torchrun sets for the simulated runs' 2 local processes
+    env.append("OMP_NUM_THREADS=1")  # what torchrun sets for the simulated runs' local processes
     return in_namespace(node, [*env, *torchrun])
 
 
 @contextlib.contextmanager
-def node_process(node: int, folder: Path, overrides: list[str]):
+def node_process(node: int, nodes: int, folder: Path, overrides: list[str]):
     """Node ``node``'s torchrun, logging to ``run_node<node>.log``; terminated (with its
     workers) if the ``with`` body ends before it does."""
     with open(folder / f"run_node{node}.log", "w") as log:
-        cmd = node_command(node, folder, overrides)
+        cmd = node_command(node, nodes, folder, overrides)
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             yield proc
@@ -154,19 +204,24 @@ def node_process(node: int, folder: Path, overrides: list[str]):
                 proc.wait()
 
 
-def real(folder: Path, mode: str, steps: int, quick: bool) -> dict:
-    """One run over the relay: two torchrun nodes, one per namespace (the link must be up)."""
+def real(folder: Path, mode: str, nodes: int, relay: Relay, steps: int, quick: bool) -> dict:
+    """One run over the relay: ``nodes`` torchrun nodes, one per namespace (the link must be
+    up), with the packets each link dropped during it."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "metrics.jsonl").unlink(missing_ok=True)
-    overrides = run_overrides(mode, steps, quick)
+    overrides = run_overrides(mode, nodes, steps, quick)
+    before = relay.dropped()
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(node_process(n, folder, overrides)) for n in (0, 1)]
+        procs = [stack.enter_context(node_process(n, nodes, folder, overrides))
+                 for n in range(nodes)]  # fmt: skip
         codes = [proc.wait() for proc in procs]
     if any(codes):
         raise RuntimeError(f"real-link run failed {codes}; see {folder}/run_node*.log")
     from protocol_models.metrics import read_jsonl
 
-    return summarize(read_jsonl(folder / "metrics.jsonl"))
+    result = summarize(read_jsonl(folder / "metrics.jsonl"))
+    result["dropped"] = {k: v - before[k] for k, v in relay.dropped().items()}
+    return result
 
 
 @contextlib.contextmanager
@@ -211,7 +266,73 @@ def probe(shape: Shape) -> dict:
         result["gloo_message_s"] = probe_json(1, [*gloo, "--rank", "1"], env=env1)
     finally:
         sender.wait()
+    result["p2p_check"] = p2p_check()
     return result
+
+
+def p2p_check() -> dict:
+    """``scripts/p2p_check.py --backend gloo`` across the link (rank 0 in node a's namespace):
+    its round trips per size and its verdict (receiver- or sender-driven)."""
+    port = str(MASTER_PORT + 1)
+
+    def command(node: int) -> list[str]:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                    "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr",
+                    ADDRESSES[0], "--master_port", port, "scripts/p2p_check.py", "--backend",
+                    "gloo"]  # fmt: skip
+        return in_namespace(node, ["env", f"GLOO_SOCKET_IFNAME={DEVICES[node]}", *torchrun])
+
+    peer = subprocess.Popen(command(1), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        out = subprocess.run(command(0), cwd=REPO, capture_output=True, text=True, check=True)
+    finally:
+        peer.wait()
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def stock_buffers():
+    """The host's socket buffer maxima at a stock kernel's 212,992 B for the ``with`` body (the
+    namespaces created inside inherit them), restored afterwards."""
+    keys = STOCK_BUFFER_KEYS
+    read = lambda k: subprocess.run(["sysctl", "-n", k], capture_output=True, text=True)  # noqa: E731
+    before = {k: read(k).stdout.strip() for k in keys}
+    try:
+        for k in keys:
+            subprocess.run(["sysctl", "-q", "-w", f"{k}={STOCK_BUFFER_BYTES}"], check=True)
+        yield before
+    finally:
+        for k, v in before.items():
+            subprocess.run(["sysctl", "-q", "-w", f"{k}={v}"], check=True)
+
+
+def probe_study(args: argparse.Namespace, steps: int) -> None:
+    """``--probe-only``: re-measure the 2-node probes of every setting into ``results.json``
+    (the runs are kept); with ``--stock-buffers``, under a stock host's socket buffer maxima,
+    with one real dense run per setting, into ``stock_buffers``."""
+    path = args.out / "results.json"
+    results = json.loads(path.read_text())
+    for setting in args.settings:
+        mbps, delay_ms = (float(v) for v in setting.split("x"))
+        key, shape = setting_key(mbps, delay_ms), Shape(mbps, delay_ms)
+        buffers = stock_buffers() if args.stock_buffers else contextlib.nullcontext({})
+        with buffers as host, link_namespaces(shape, 2) as relay:
+            tcp = apply_tcp_fixes(shape, 2, skip=STOCK_BUFFER_KEYS if args.stock_buffers else ())
+            for node, ns in enumerate(tun_relay.NAMESPACES[:2]):  # what the namespaces run with
+                read = ["sysctl", "-n", *STOCK_BUFFER_KEYS]
+                out = subprocess.run(in_namespace(node, read), capture_output=True, text=True)
+                tcp[ns].update(zip(STOCK_BUFFER_KEYS, out.stdout.split(), strict=True))
+            if not args.stock_buffers:
+                results["tcp"][f"{key}/2n"] = tcp
+                results["probes"][key] = probe(shape)
+            else:
+                folder = args.out / "runs" / f"{key}/2n/dense/stock_buffers"
+                results.setdefault("stock_buffers", {})[key] = {
+                    "host_before": host, "tcp": tcp, "probes": probe(shape),
+                    "dense_real": real(folder, "dense", 2, relay, steps, args.quick),
+                }  # fmt: skip
+        path.write_text(json.dumps(results, indent=2))
 
 
 def current_commit() -> str:
@@ -223,16 +344,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
     parser.add_argument("--sim-only", action="store_true", help="re-measure the simulator only")
+    parser.add_argument("--fresh", action="store_true", help="ignore an earlier results.json")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "real_link")
     every = [f"{m:g}x{d:g}" for m, d in SETTINGS]
     parser.add_argument("--settings", nargs="+", default=every,
                         help="link settings MBPSxMS (default: all)")  # fmt: skip
+    parser.add_argument("--nodes", nargs="+", type=int, default=NODES, choices=NODES)
+    parser.add_argument("--repeats", type=int, default=2, help="link-off/real pairs per row")
+    parser.add_argument("--probe-only", action="store_true", help="re-measure the probes only")
+    stock = "with --probe-only: probes and a dense run at stock buffers"
+    parser.add_argument("--stock-buffers", action="store_true", help=stock)
     args = parser.parse_args()
     problem = tun_relay.check_privileges()
     if problem and not args.sim_only:
         sys.exit(f"error: {problem}")
     tun_relay.exit_on_sigterm()
     steps = 1 + 3 * WINDOW if args.quick else 1 + 5 * WINDOW
+    if args.probe_only:
+        probe_study(args, steps)
+        return
     results = measure(args, steps)
     (args.out / "table.md").write_text(render_table(results))
     plot(results, args.out / "real_vs_simulated.png")
@@ -240,79 +370,101 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace, steps: int) -> dict:
-    """Every run of the study, saved to ``results.json`` after each one."""
+    """Every run of the study, saved to ``results.json`` after each one; what an earlier
+    ``results.json`` of the same harness holds is kept and not run again."""
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "results.json"
     started = time.time()
-    settings = [tuple(float(v) for v in s.split("x")) for s in args.settings]
-    fresh = {"quick": args.quick, "steps": steps, "window": WINDOW, "probes": {}, "real": {},
-             "off": {}, "tcp": {}, "sim": {}}  # fmt: skip
-    results = json.loads(path.read_text()) if path.is_file() else fresh
-    if results.get("quick") != args.quick or "off" not in results:
+    harness = {"quick": args.quick, "steps": steps, "window": WINDOW, "version": 2}
+    fresh = {**harness, "probes": {}, "tcp": {}, "runs": {}, "sim": {}, "commits": {}}
+    results = json.loads(path.read_text()) if path.is_file() and not args.fresh else fresh
+    if any(results.get(k) != v for k, v in harness.items()):
         results = fresh  # another harness or an earlier version: start anew
     if args.sim_only:
-        results["sim_before"] = {"commit": results["sim_commit"], "runs": dict(results["sim"])}
-    results.update(sim_commit=current_commit(), commit=current_commit())
+        results["sim_before"] = {"commits": dict(results["commits"]), "runs": dict(results["sim"])}
+        results["sim"] = {}
     save = lambda: path.write_text(json.dumps(results, indent=2))  # noqa: E731
-    if not args.sim_only:
-        for mode in MODES:
-            results["off"][mode] = link_off(args.out / "runs" / "off" / mode, mode, steps,
-                                            args.quick)  # fmt: skip
-            save()
-    for mbps, delay_ms in settings:
-        key, shape = setting_key(mbps, delay_ms), Shape(mbps, delay_ms)
-        if not args.sim_only:
-            with link_namespaces(shape):
-                results["tcp"][key] = apply_tcp_fixes(shape)
-                results["probes"][key] = probe(shape)
+    settings = [tuple(float(v) for v in s.split("x")) for s in args.settings]
+    for (mbps, delay_ms), nodes in itertools.product(settings, args.nodes):
+        shape = Shape(mbps, delay_ms)
+        keys = [run_key(mbps, delay_ms, nodes, mode) for mode in MODES]
+        todo = [k for k in keys if len(results["runs"].get(k, {}).get("real", [])) < args.repeats]
+        if todo and not args.sim_only:
+            with link_namespaces(shape, nodes) as relay:
+                setting = f"{setting_key(mbps, delay_ms)}/{nodes}n"
+                results["tcp"][setting] = apply_tcp_fixes(shape, nodes)
+                if nodes == 2:
+                    results["probes"][setting_key(mbps, delay_ms)] = probe(shape)
                 save()
-                for mode in MODES:
-                    folder = args.out / "runs" / "real" / key / mode
-                    results["real"][f"{key}/{mode}"] = real(folder, mode, steps, args.quick)
-                    save()
-        for mode in MODES:
-            folder = args.out / "runs" / "sim" / key / mode
-            results["sim"][f"{key}/{mode}"] = simulated(folder, mode, shape, steps, args.quick)
-            save()
-    results["wall_s" if not args.sim_only else "sim_only_wall_s"] = time.time() - started
+                for key, mode in zip(keys, MODES, strict=True):
+                    row = results["runs"].setdefault(key, {"off": [], "real": []})
+                    while len(row["real"]) < args.repeats:
+                        run = args.out / "runs" / key / f"r{len(row['real'])}"
+                        row["off"].append(link_off(run / "off", mode, nodes, steps, args.quick))
+                        row["real"].append(real(run / "real", mode, nodes, relay, steps,
+                                                args.quick))  # fmt: skip
+                        results["commits"][key] = current_commit()
+                        save()
+        for key, mode in zip(keys, MODES, strict=True):
+            if key not in results["sim"]:
+                folder = args.out / "runs" / key / "sim"
+                results["sim"][key] = simulated(folder, mode, nodes, shape, steps, args.quick)
+                results["commits"][f"sim/{key}"] = current_commit()
+                save()
+    results["wall_s"] = results.get("wall_s", 0.0) + time.time() - started
     save()
     return results
 
 
-def error_pct(sim: dict, real: dict) -> float:
-    """The simulator's tokens/s relative to the real link's, % (positive: optimistic)."""
-    return 100 * (sim["tokens_per_s"] / real["tokens_per_s"] - 1)
+def median_of(runs: list[dict], field: str = "tokens_per_s") -> float:
+    return statistics.median(r[field] for r in runs)
+
+
+def error_pct(sim: dict, real_runs: list[dict]) -> float:
+    """The simulator's tokens/s relative to the real link's median, % (positive: optimistic)."""
+    return 100 * (sim["tokens_per_s"] / median_of(real_runs) - 1)
 
 
 def render_table(results: dict) -> str:
-    """One row per (link, mode): link-off and real tokens/s, the share of its link-off
-    throughput the real run kept, whether its losses equal the link-off run's bit for bit, and
-    the simulator's tokens/s and error against the real link (before and after, with
-    ``--sim-only``)."""
+    """One row per (link, nodes, mode): link-off and real tokens/s (medians over the pairs), the
+    real step time, the share of its link-off throughput the real run kept, whether every real
+    run's losses equal its link-off twin's bit for bit, the time the stages waited for messages
+    per step, the packets the relay dropped, and the simulator's tokens/s with its error against
+    the real link (before and after, with ``--sim-only``)."""
     before = results.get("sim_before", {}).get("runs")
-    head = "| link | mode | link-off tok/s | real tok/s | real step | kept | losses = link-off |"
-    head += " simulated tok/s | error |"
+    head = "| link | nodes | mode | pairs | link-off tok/s | real tok/s | real step | kept |"
+    head += " losses = link-off | waited/step | dropped | simulated tok/s | error |"
     if before:
         head = head.replace(" simulated tok/s | error |",
                             " simulated before | error | simulated after | error |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    flag = lambda m: "" if m["steady"] else "*"  # noqa: E731
-    for key, real in results["real"].items():
-        setting, mode = key.split("/")
+    unsteady = False
+    for key, row in results["runs"].items():
+        setting, nodes, mode = key.split("/")
         mbps, delay = setting.removesuffix("ms").split("mbps_")
-        off = results["off"][mode]
-        same = real.get("losses") == off.get("losses")
-        cells = [f"{mbps} Mbit/s + {delay} ms", mode, f"{off['tokens_per_s']:.0f}{flag(off)}",
-                 f"{real['tokens_per_s']:.0f}", f"{real['step_s']:.3f}s{flag(real)}",
-                 f"{100 * real['tokens_per_s'] / off['tokens_per_s']:.0f}%",
-                 "yes" if same else "**no**"]  # fmt: skip
+        off, real_runs = row["off"], row["real"]
+        same = all(r["losses"] == o["losses"] for r, o in zip(real_runs, off, strict=True))
+        unsteady |= not all(r["steady"] for r in off + real_runs)
+        waited = statistics.median(
+            sum(v for k, v in r["per_step"].items() if k.startswith("wire/recv_wait_s/"))
+            for r in real_runs
+        )
+        dropped = sum(sum(r.get("dropped", {}).values()) for r in real_runs)
+        cells = [f"{mbps} Mbit/s + {delay} ms", nodes.removesuffix("n"), mode,
+                 str(len(real_runs)), f"{median_of(off):.0f}", f"{median_of(real_runs):.0f}",
+                 f"{median_of(real_runs, 'step_s'):.3f}s",
+                 f"{100 * median_of(real_runs) / median_of(off):.0f}%",
+                 "yes" if same else "**no**", f"{waited:.3f}s", str(dropped)]  # fmt: skip
         for runs in [before, results["sim"]] if before else [results["sim"]]:
-            sim = runs.get(key)
+            sim = (runs or {}).get(key)
             cells += ["–", "–"] if sim is None else [
-                f"{sim['tokens_per_s']:.0f}{flag(sim)}", f"{error_pct(sim, real):+.0f}%"]
+                f"{sim['tokens_per_s']:.0f}", f"{error_pct(sim, real_runs):+.0f}%"]
         lines.append("| " + " | ".join(cells) + " |")
-    note = "`*`: no three consecutive 5-step windows agreed within 1%; median of the last three."
-    lines += ["", note]
+    lines += ["", "Medians over each row's link-off/real pairs (each run back to back); "
+              "waited/step: the stages' summed wait for messages per step (real link)."]
+    if unsteady:
+        lines.append("Some runs had no three consecutive 5-step windows within 1%: their median "
+                     "of the last three windows is used (results.json: `steady`).")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -322,19 +474,23 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = list(results["real"])
-    off = {k: results["off"][k.split("/")[1]] for k in keys}
-    series = {"link off": off, "real link": results["real"], "simulated": results["sim"]}
+    keys = list(results["runs"])
+    series = {
+        "link off": {k: median_of(results["runs"][k]["off"]) for k in keys},
+        "real link": {k: median_of(results["runs"][k]["real"]) for k in keys},
+    }
+    sims = {"simulated": results["sim"]}
     if "sim_before" in results:
-        series = {"link off": off, "real link": results["real"],
-                  "simulated (before)": results["sim_before"]["runs"]}  # fmt: skip
-        series["simulated (after)"] = results["sim"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+        sims = {"simulated (before)": results["sim_before"]["runs"],
+                "simulated (after)": results["sim"]}  # fmt: skip
+    for name, runs in sims.items():
+        series[name] = {k: runs[k]["tokens_per_s"] for k in keys if k in runs}
+    fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(series)
-    for i, (name, runs) in enumerate(series.items()):
+    for i, (name, values) in enumerate(series.items()):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(keys))]
-        ax.bar(xs, [runs[k]["tokens_per_s"] if k in runs else 0 for k in keys], width, label=name)
-    ax.set_xticks(range(len(keys)), [k.replace("/", "\n") for k in keys], fontsize=8)
+        ax.bar(xs, [values.get(k, 0) for k in keys], width, label=name)
+    ax.set_xticks(range(len(keys)), [k.replace("/", "\n") for k in keys], fontsize=7)
     ax.set_ylabel("tokens/s (steady state)")
     ax.legend(fontsize=8)
     ax.set_title("Real shaped link vs link simulator" + (" [quick]" if results["quick"] else ""))

@@ -1,19 +1,24 @@
-"""A real shaped link between two network namespaces: TUN devices and a userspace relay.
+"""A real shaped network between network namespaces: TUN devices and a userspace relay.
 
-    python -m recipes.tun_relay --mbps 10 --delay-ms 25     # as root, until Ctrl-C
+    python -m recipes.tun_relay --mbps 10 --delay-ms 25             # as root, until Ctrl-C
+    python -m recipes.tun_relay --mbps 80 --delay-ms 50 --nodes 3   # three nodes
 
-Two namespaces, ``pmlink-a`` and ``pmlink-b``, each hold one TUN device (MTU 1500) with a
-point-to-point address (``10.203.0.1`` <-> ``10.203.0.2``). This process owns both devices: it
-reads every raw IP packet one side sends and writes it to the other side after
+``nodes`` namespaces (2 or 3), ``pmlink-a``, ``pmlink-b``, ``pmlink-c``, each hold one TUN device
+(MTU 1500) with an address of ``10.203.0.0/24`` (``10.203.0.1``, ``.2``, ``.3``). This process owns
+every device: it reads each raw IPv4 packet a node sends and writes it to the device of the node
+it is addressed to, after
 
-* a serialization queue per direction: a packet of ``n`` bytes leaves ``8 n / rate`` seconds after
-  the previous one left (or after it arrived, if the wire was idle); a packet that would wait
-  longer than ``queue_ms`` behind the ones queued is dropped (a drop-tail buffer, as a router's);
+* a serialization queue per ordered pair of nodes (every pair has a link of its own, as two
+  regions on the internet have a path of their own): a packet of ``n`` bytes leaves
+  ``8 n / rate`` seconds after the previous one on that link left (or after it arrived, if the
+  link was idle); a packet that would wait longer than ``queue_ms`` behind the ones queued is
+  dropped (a drop-tail buffer, as a router's), and counted;
 * the one-way delay ``delay_ms`` after it left.
 
 So a round trip costs ``2 * delay_ms`` plus serialization, and bulk TCP runs at the rate. The
-kernel has ``tbf`` but no ``netem`` here, hence the relay for the delay. ``LinkNamespaces`` sets
-it all up and tears it down (namespaces, devices, the relay process), also after an error.
+kernel has ``tbf`` but no ``netem`` here, hence the relay for the delay. ``link_namespaces``
+sets it all up and tears it down (namespaces, devices, the relay process), also after an error,
+and reports the relay's drop counts.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import json
 import os
 import select
 import signal
@@ -38,9 +44,15 @@ IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
 PR_SET_PDEATHSIG = 1
 MTU = 1500
-NAMESPACES = ("pmlink-a", "pmlink-b")
-DEVICES = ("pmtun-a", "pmtun-b")
-ADDRESSES = ("10.203.0.1", "10.203.0.2")
+NAMESPACES = ("pmlink-a", "pmlink-b", "pmlink-c")
+DEVICES = ("pmtun-a", "pmtun-b", "pmtun-c")
+ADDRESSES = ("10.203.0.1", "10.203.0.2", "10.203.0.3")
+NAMES = ("a", "b", "c")
+LOCK = "/run/pmlink.lock"
+"""Held while a relay is up: a second one would tear the first one's namespaces down."""
+SUBNET_BITS = 24
+"""Node ``i`` has ``ADDRESSES[i]`` on ``DEVICES[i]`` in ``NAMESPACES[i]``; the last byte is
+``i + 1``."""
 
 
 @dataclass(frozen=True)
@@ -92,23 +104,45 @@ def open_tun(name: str) -> int:
     return fd
 
 
-def relay(fds: tuple[int, int], shape: Shape) -> None:
-    """Forward packets between the two devices forever (until SIGTERM/SIGINT)."""
-    directions = {fds[0]: Direction(shape, fds[1]), fds[1]: Direction(shape, fds[0])}
+def destination(packet: bytes) -> int | None:
+    """The node an IPv4 packet is addressed to (by the last byte of its destination), or None
+    (not IPv4, or outside the nodes)."""
+    if len(packet) < 20 or packet[0] >> 4 != 4:
+        return None
+    node = packet[19] - 1
+    return node if 0 <= node < len(ADDRESSES) and packet[16:19] == bytes([10, 203, 0]) else None
+
+
+def relay(fds: list[int], shape: Shape) -> None:
+    """Forward packets between the devices ``fds`` (index = node) until SIGTERM/SIGINT, each
+    over the link of its (sender, receiver) pair. On SIGUSR1 it prints one JSON line on stdout:
+    the packets each link dropped so far, ``{"a->b": count}``."""
+    nodes = len(fds)
+    links = {(a, b): Direction(shape, fds[b]) for a in range(nodes) for b in range(nodes) if a != b}
+    sender = {fd: node for node, fd in enumerate(fds)}
+
+    def report(*_) -> None:
+        counts = {f"{NAMES[a]}->{NAMES[b]}": link.dropped for (a, b), link in links.items()}
+        print(json.dumps(counts), flush=True)
+
+    signal.signal(signal.SIGUSR1, report)
     due: float | None = None
     while True:
         timeout = None if due is None else max(0.0, due - time.time())
-        readable, _, _ = select.select(list(fds), [], [], timeout)
+        readable, _, _ = select.select(fds, [], [], timeout)
         now = time.time()
         for fd in readable:
-            for _ in range(64):  # drain a burst without starving the other side
+            for _ in range(64):  # drain a burst without starving the others
                 try:
                     packet = os.read(fd, 65536)
                 except BlockingIOError:
                     break
-                directions[fd].accept(packet, now)
+                node = destination(packet)
+                if node is None or node == sender[fd] or node >= nodes:
+                    continue
+                links[(sender[fd], node)].accept(packet, now)
         now = time.time()
-        dues = [d for d in (w.deliver(now) for w in directions.values()) if d is not None]
+        dues = [d for d in (link.deliver(now) for link in links.values()) if d is not None]
         due = min(dues) if dues else None
 
 
@@ -117,17 +151,17 @@ def ip(*args: str, check: bool = True) -> None:
     subprocess.run(["ip", *args], check=check, capture_output=True)
 
 
-def configure(side: int) -> None:
-    """Move device ``side`` into its namespace, give it its point-to-point address, bring it up."""
-    ns, dev = NAMESPACES[side], DEVICES[side]
+def configure(node: int) -> None:
+    """Move device ``node`` into its namespace, give it its address on the subnet, bring it up."""
+    ns, dev = NAMESPACES[node], DEVICES[node]
     ip("link", "set", dev, "netns", ns)
     ip("-n", ns, "link", "set", "lo", "up")
-    ip("-n", ns, "addr", "add", ADDRESSES[side], "peer", ADDRESSES[1 - side], "dev", dev)
+    ip("-n", ns, "addr", "add", f"{ADDRESSES[node]}/{SUBNET_BITS}", "dev", dev)
     ip("-n", ns, "link", "set", dev, "mtu", str(MTU), "up")
 
 
 def teardown() -> None:
-    """Remove both namespaces (their devices go with them); harmless when they do not exist."""
+    """Remove every namespace (their devices go with them); harmless when they do not exist."""
     for ns in NAMESPACES:
         ip("netns", "del", ns, check=False)
 
@@ -162,46 +196,75 @@ def preempt_training() -> None:
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
 
 
-def serve(shape: Shape) -> None:
+def serve(shape: Shape, nodes: int) -> None:
     """The relay process: create the devices, signal readiness on stdout, relay until killed."""
     exit_on_sigterm()
     die_with_parent()
     preempt_training()
-    fds = (open_tun(DEVICES[0]), open_tun(DEVICES[1]))
-    for side in (0, 1):
-        configure(side)
+    fds = [open_tun(DEVICES[node]) for node in range(nodes)]
+    for node in range(nodes):
+        configure(node)
     print("ready", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         relay(fds, shape)
 
 
+class Relay:
+    """The running relay process of ``link_namespaces``."""
+
+    def __init__(self, proc: subprocess.Popen, nodes: int):
+        self.proc, self.nodes = proc, nodes
+
+    def dropped(self) -> dict[str, int]:
+        """Packets each link (``"a->b"``) has dropped since the relay started."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            line = self.proc.stdout.readline()
+            if line:
+                return json.loads(line)
+        raise RuntimeError(f"the TUN relay exited (code {self.proc.wait()})")
+
+
 @contextlib.contextmanager
-def link_namespaces(shape: Shape) -> Iterator[None]:
-    """Namespaces ``NAMESPACES`` joined by a relay shaped as ``shape``, for the ``with`` body;
-    everything is removed on exit, however the body ends. A leftover from an earlier run that
-    died is removed first."""
-    teardown()
-    for ns in NAMESPACES:
-        ip("netns", "add", ns)
+def link_namespaces(shape: Shape, nodes: int = 2) -> Iterator[Relay]:
+    """``nodes`` namespaces (of ``NAMESPACES``) joined by a relay shaped as ``shape``, for the
+    ``with`` body; everything is removed on exit, however the body ends. A leftover from an
+    earlier run that died is removed first."""
+    if not 2 <= nodes <= len(NAMESPACES):
+        raise ValueError(f"nodes = {nodes}: the relay joins 2 to {len(NAMESPACES)} nodes")
+    lock = open(LOCK, "w")  # noqa: SIM115 (held for the body, closed in finally)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise RuntimeError(f"another shaped link is up ({LOCK} is locked): one at a time") from None
     cmd = [sys.executable, "-m", "recipes.tun_relay", "--serve", "--mbps", str(shape.mbps)]
     cmd += ["--delay-ms", str(shape.delay_ms), "--queue-ms", str(shape.queue_ms)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=_repo())
+    cmd += ["--nodes", str(nodes)]
+    proc = None
     try:
+        teardown()
+        for ns in NAMESPACES[:nodes]:
+            ip("netns", "add", ns)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                                cwd=_repo())  # fmt: skip
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the TUN relay did not start (exit {proc.wait()})")
-        yield
+        yield Relay(proc, nodes)
     finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        if proc.poll() is None:
-            proc.kill()
+        if proc is not None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+            if proc.poll() is None:
+                proc.kill()
         teardown()
+        lock.close()
 
 
-def in_namespace(side: int, cmd: list[str]) -> list[str]:
-    """``cmd`` run inside namespace ``side`` (0 or 1)."""
-    return ["ip", "netns", "exec", NAMESPACES[side], *cmd]
+def in_namespace(node: int, cmd: list[str]) -> list[str]:
+    """``cmd`` run inside node ``node``'s namespace."""
+    return ["ip", "netns", "exec", NAMESPACES[node], *cmd]
 
 
 def _repo() -> str:
@@ -213,18 +276,20 @@ def main() -> None:
     parser.add_argument("--mbps", type=float, required=True, help="rate, Mbit/s, each direction")
     parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay, ms")
     parser.add_argument("--queue-ms", type=float, default=100.0, help="drop-tail buffer, ms")
+    parser.add_argument("--nodes", type=int, default=2, choices=(2, 3), help="namespaces")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = Shape(args.mbps, args.delay_ms, args.queue_ms)
     if args.serve:
-        serve(shape)
+        serve(shape, args.nodes)
         return
     problem = check_privileges()
     if problem:
         sys.exit(f"error: {problem}")
     exit_on_sigterm()
-    with link_namespaces(shape), contextlib.suppress(KeyboardInterrupt):
-        print(f"{NAMESPACES[0]} {ADDRESSES[0]} <-> {NAMESPACES[1]} {ADDRESSES[1]}; Ctrl-C ends")
+    with link_namespaces(shape, args.nodes), contextlib.suppress(KeyboardInterrupt):
+        nodes = ", ".join(f"{NAMESPACES[n]} {ADDRESSES[n]}" for n in range(args.nodes))
+        print(f"{nodes}: every pair over its own link; Ctrl-C ends")
         signal.pause()
 
 
