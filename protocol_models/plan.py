@@ -78,8 +78,9 @@ crossed the link, so a link and the stage it feeds serve a microbatch together i
 the stage's compute`` (``wire.link.rendezvous_period``). Step = forward pass + backward pass
 (1F1B has the same bubble and is predicted alike) + the collectives across the pipeline: none
 with ``[transport] exchange_grad_norm`` (the norm's exchange overlaps the next step's fill, and
-a log step's metrics travel with it unless a loss is reduced over data-parallel replicas, when
-they take one all-gather of ``S - 1`` latency rounds every ``log_freq`` steps); without it,
+a log step's metrics travel with it unless a loss is reduced over data- or context-parallel
+replicas or MAPL's boundary sync runs, when they take one all-gather of ``S - 1`` latency rounds
+every ``log_freq`` steps); without it,
 TorchTitan's gradient-norm all-reduce, ``2 (S - 1)`` rounds, and the all-gather every log step
 (``wire.meter.ring_rounds``); plus, for a method whose boundary stages exchange weights'
 gradients before the optimizer step (MAPL: ``sync_bytes``), one transfer of the larger
@@ -460,13 +461,16 @@ def predict_step(
 def collective_rounds_per_step(config) -> float:
     """Latency rounds of the collectives across the pipeline on a step's critical path, on
     average (module docstring): the gradient norm's all-reduce unless it is exchanged, and a
-    log step's all-gather (every ``log_freq`` steps) unless its rows travel with the exchange."""
+    log step's all-gather (every ``log_freq`` steps) unless its rows travel with the exchange
+    (``ProtocolTrainer._rows_travel_with_norm``)."""
     stages = config.layout_stages
     if stages < 2:
         return 0.0
     exchanged = config.transport.exchange_grad_norm
     rounds = 0.0 if exchanged else ring_rounds("all_reduce", stages)
-    if not exchanged or config.replicas > 1:
+    reduced_loss = config.replicas > 1 or config.parallelism.context_parallel_degree > 1
+    mapl = config.protocol.mode == "mapl"  # its boundary sync meters bytes after the exchange
+    if not exchanged or reduced_loss or mapl:
         rounds += ring_rounds("all_gather", stages) / config.metrics.log_freq
     return rounds
 

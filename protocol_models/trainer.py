@@ -325,9 +325,15 @@ class ProtocolTrainer(Trainer):
             stage.post_next_forward()
 
     def _rows_travel_with_norm(self) -> bool:
-        """Whether a log step's metrics rows ride on the gradient-norm exchange: it runs, and the
-        logged loss is the last stage's own (no data-parallel or context-parallel reduction)."""
-        return self.norm_exchange is not None and not self.parallel_dims.dp_cp_enabled
+        """Whether a log step's metrics rows ride on the gradient-norm exchange: it runs, the
+        logged loss is the last stage's own (no data-parallel or context-parallel reduction),
+        and nothing the row counts happens after it (MAPL's boundary sync, in the optimizer
+        step, meters its bytes)."""
+        return (
+            self.norm_exchange is not None
+            and not self.parallel_dims.dp_cp_enabled
+            and self.optimizers.boundary_sync is None
+        )
 
     def _metrics_row(self) -> torch.Tensor:
         """This stage's metrics row for the exchange, with the step's loss as TorchTitan logs it
@@ -501,7 +507,11 @@ def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, 
     sync = BoundarySync(model_parts, meter=meter)
     if sync.sides and parallel_dims.pp_enabled:
         pp_mesh = parallel_dims.get_mesh("pp")
-        sync.use_group(pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size())
+        # a group of its own: on gloo, where sends and receives between two ranks of one group
+        # match in order, the next step's early-posted activation receive would take its message
+        ranks = dist.get_process_group_ranks(pp_mesh.get_group())
+        group = dist.new_group(ranks, use_local_synchronization=True)
+        sync.use_group(group, pp_mesh.get_local_rank(), pp_mesh.size())
     optimizers.boundary_sync = sync if sync.sides else None
     if protocol.update_every > 0 and model_parts[0].subspace:
         optimizers.subspace = SubspaceTracker(

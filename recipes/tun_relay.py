@@ -115,8 +115,9 @@ def destination(packet: bytes) -> int | None:
 
 def relay(fds: list[int], shape: Shape) -> None:
     """Forward packets between the devices ``fds`` (index = node) until SIGTERM/SIGINT, each
-    over the link of its (sender, receiver) pair. On SIGUSR1 it prints one JSON line on stdout:
-    the packets each link dropped so far, ``{"a->b": count}``."""
+    over the link of its (sender, receiver) pair. It prints ``ready`` on stdout when it can
+    take signals; then on SIGUSR1 one JSON line: the packets each link dropped so far,
+    ``{"a->b": count}``."""
     nodes = len(fds)
     links = {(a, b): Direction(shape, fds[b]) for a in range(nodes) for b in range(nodes) if a != b}
     sender = {fd: node for node, fd in enumerate(fds)}
@@ -126,6 +127,7 @@ def relay(fds: list[int], shape: Shape) -> None:
         print(json.dumps(counts), flush=True)
 
     signal.signal(signal.SIGUSR1, report)
+    print("ready", flush=True)
     due: float | None = None
     while True:
         timeout = None if due is None else max(0.0, due - time.time())
@@ -197,14 +199,13 @@ def preempt_training() -> None:
 
 
 def serve(shape: Shape, nodes: int) -> None:
-    """The relay process: create the devices, signal readiness on stdout, relay until killed."""
+    """The relay process: create the devices, relay until killed (``relay`` says ready)."""
     exit_on_sigterm()
     die_with_parent()
     preempt_training()
     fds = [open_tun(DEVICES[node]) for node in range(nodes)]
     for node in range(nodes):
         configure(node)
-    print("ready", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         relay(fds, shape)
 
