@@ -14,16 +14,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from protocol_models.boundary import BOUNDARIES
 from protocol_models.wire.codecs import CODECS, Codec, build_codec
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.meter import WireMeter, ring_rounds
 from protocol_models.wire.rvq import ResidualVQ
-
-if TYPE_CHECKING:
-    from protocol_models.wire.stage import WirePipelineStage
 
 
 def modes() -> list[str]:
@@ -53,7 +49,9 @@ class Wire:
     codec: Codec | None
     link: SimulatedLink | None
     prepost: bool = True
-    stages: list[WirePipelineStage] = field(default_factory=list)
+    stages: list = field(default_factory=list)
+    """The ``wire.stage.WirePipelineStage`` objects of this rank (not imported here: the stage
+    module imports this one)."""
 
     def collective(self, purpose: str, kind: str, ranks: int) -> None:
         """A ring ``kind`` collective over the ``ranks`` pipeline stages just ran, for
