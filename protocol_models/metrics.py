@@ -277,19 +277,22 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             if self.wire.link is not None:
                 self.wire.link.collective(ring_rounds("all_gather", stages))
             rows = rows.view(stages, mine.numel())
-        return _StageRow(stages - 1).agree(rows, step, has_link=self.wire.link is not None)
+        return self._row_layout().agree(rows, step, has_link=self.wire.link is not None)
 
     def stage_row(self, loss: float | torch.Tensor, max_loss: float | torch.Tensor) -> torch.Tensor:
         """This stage's row ``[width]`` float64 on the training device, from its counters now
         (its ids checksum and leak window are taken): what the log step agrees over."""
         meter, link = self.wire.meter, self.wire.link
-        row = _StageRow(dist.get_world_size(self._pp_group()) - 1)
-        return row.pack(meter, link, loss, max_loss, self._leak(), _peak_memory_bytes(),
-                        self.ids_checksum.pop(), get_local_device())  # fmt: skip
+        return self._row_layout().pack(meter, link, loss, max_loss, self._leak(),
+                                       _peak_memory_bytes(), self.ids_checksum.pop(),
+                                       get_local_device())  # fmt: skip
 
     def stage_row_width(self) -> int:
         """How many values ``stage_row`` returns."""
-        return _StageRow(dist.get_world_size(self._pp_group()) - 1).width
+        return self._row_layout().width
+
+    def _row_layout(self) -> _StageRow:
+        return _StageRow(dist.get_world_size(self._pp_group()) - 1)
 
     def _leak(self) -> torch.Tensor | None:
         """The largest leak this stage measured over its boundaries (a device scalar), or None."""

@@ -145,11 +145,15 @@ def allow_congestion_control(name: str) -> dict:
     """Add ``name`` to the host's ``net.ipv4.tcp_allowed_congestion_control`` (a namespace can
     only pick from it); returns the setting as it now is."""
     key = "net.ipv4.tcp_allowed_congestion_control"
-    read = lambda: subprocess.run(["sysctl", "-n", key], capture_output=True, text=True)  # noqa: E731
-    allowed = read().stdout.split()
+    allowed = host_sysctl(key).split()
     if name not in allowed:
         subprocess.run(["sysctl", "-q", "-w", f"{key}={' '.join([*allowed, name])}"], check=False)
-    return {key: read().stdout.strip()}
+    return {key: host_sysctl(key)}
+
+
+def host_sysctl(key: str) -> str:
+    """This host's (the initial namespace's) value of sysctl ``key``."""
+    return subprocess.run(["sysctl", "-n", key], capture_output=True, text=True).stdout.strip()
 
 
 def simulated(folder: Path, mode: str, nodes: int, shape: Shape, steps: int, quick: bool) -> dict:
@@ -296,8 +300,7 @@ def stock_buffers():
     """The host's socket buffer maxima at a stock kernel's 212,992 B for the ``with`` body (the
     namespaces created inside inherit them), restored afterwards."""
     keys = STOCK_BUFFER_KEYS
-    read = lambda k: subprocess.run(["sysctl", "-n", k], capture_output=True, text=True)  # noqa: E731
-    before = {k: read(k).stdout.strip() for k in keys}
+    before = {k: host_sysctl(k) for k in keys}
     try:
         for k in keys:
             subprocess.run(["sysctl", "-q", "-w", f"{k}={STOCK_BUFFER_BYTES}"], check=True)
