@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any
 
@@ -231,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     has work to do before the workers start: the bundled data or a map-style corpus to
     tokenize); on failure print one ``error:`` line to stderr and return 2. With
     ``[transport] link_mbps`` and ``link_latency_ms`` stated, a node whose TCP settings would slow
-    that link gets one ``warning:`` line on stderr with the ``sysctl`` command that fixes them."""
+    that link gets one ``warning:`` line on stderr with the ``sysctl`` command that fixes them;
+    on one of several nodes (``NNODES`` > 1), one whose NCCL interface choice could pick a
+    private address next to a VPN gets one too (``protocol_models.interfaces``)."""
     from protocol_models import data
+    from protocol_models.interfaces import interface_warning
     from protocol_models.wire.transport import tcp_advice
 
     toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
@@ -249,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     advice = transport.link_stated and tcp_advice(transport.link_mbps, transport.link_latency_ms)
     if advice:
         print(advice, file=sys.stderr)
+    interfaces = int(os.environ.get("NNODES", "1")) > 1 and interface_warning()
+    if interfaces:
+        print(interfaces, file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,6 @@ import glob
 import hashlib
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -255,8 +254,9 @@ def check_disjoint(train: Part, validation: Part) -> None:
 
 
 def check_hub_dataset(repo_id: str) -> None:
-    """A Hub dataset exists and this machine may read it (one ``ConfigError`` line otherwise).
-    An unreachable Hub is a warning: the workers may see a network this process does not."""
+    """A Hub dataset exists and this node may read it (one ``ConfigError`` line otherwise): a
+    streamed corpus is read from the Hub by every worker, so a node that cannot reach it would
+    only fail once its workers start."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -274,10 +274,15 @@ def check_hub_dataset(repo_id: str) -> None:
             f"dataloader.hf_dataset = {repo_id!r}: no such dataset on the Hub (or it is "
             "private: set HF_TOKEN)"
         ) from None
-    except Exception as e:  # no network from here: the workers will tell
+    except Exception as e:  # no route, DNS, a proxy, a rate limit
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(
-            f"warning: could not reach the Hugging Face Hub to check dataloader.hf_dataset = "
-            f"{repo_id!r} ({reason})",
-            file=sys.stderr,
+        fix = (
+            "set HF_TOKEN (the Hub rate-limits anonymous requests)"
+            if "429" in reason
+            else "let every node reach huggingface.co (or a mirror: HF_ENDPOINT), or train "
+            "from local copies (dataloader.files)"
         )
+        raise ConfigError(
+            f"dataloader.hf_dataset = {repo_id!r}: the Hugging Face Hub is unreachable from "
+            f"this node ({reason}); every node streams the corpus from it: {fix}"
+        ) from None

@@ -105,8 +105,7 @@ def _cuda_problem() -> str:
         cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     else:
         cause = "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)"
-    return (
-        f"CUDA is unusable: {cause} (torch {torch.__version__} is built for CUDA "
-        f"{torch.version.cuda}: its driver must support that version -- check nvidia-smi, "
-        "update the driver, or install the torch wheel built for your driver's CUDA)"
-    )
+    from protocol_models.cuda_driver import driver_clause, node_driver
+
+    build = driver_clause(torch.version.cuda, node_driver())
+    return f"CUDA is unusable: {cause} (torch {torch.__version__} is {build})"

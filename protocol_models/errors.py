@@ -1,5 +1,9 @@
 """User-facing errors: reported as one ``error: ...`` line and a non-zero exit, no traceback."""
 
+USER_ERROR_FILE_ENV = "PROTOCOL_MODELS_USER_ERROR_FILE"
+"""Where a worker leaves its user error's line for ``protocol_models.launch`` (which then ends
+the run instead of restarting it)."""
+
 
 class UserError(Exception):
     """A problem with the run's input or state that the user can fix; ``str(e)`` is one line."""

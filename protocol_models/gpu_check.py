@@ -4,8 +4,9 @@
 
 It trains ``N`` steps (default 8) of the configured layout -- real dtype, real schedule, real
 data, the configured pipeline and data-parallel degrees, with checkpoints, validation and wandb
-off -- through ``scripts/train.sh`` (so ``NNODES``/``NODE_RANK``/``MASTER_ADDR`` work as for a
-real launch), then prints what decides whether the real run will work:
+off (the config as the real run reads it is checked first: a wandb key for online logging, the
+data, the tokenizer) -- through ``scripts/train.sh`` (so ``NNODES``/``NODE_RANK``/``MASTER_ADDR``
+work as for a real launch), then prints what decides whether the real run will work:
 
 * per pipeline stage, the peak device memory next to the planner's estimate and the card's
   usable memory;
@@ -126,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         rest = ["--toml", *rest]
     toml_path, overrides = split_argv(rest)
     dump = tempfile.mkdtemp(prefix="gpu_check_")
-    overrides = [*overrides, *check_overrides(max(known.steps, 3), dump)]
     try:
+        # the run's own config first: what the check run turns off (wandb, checkpoints) is
+        # checked as the real run will meet it
+        load_config(toml_path, overrides)
+        overrides = [*overrides, *check_overrides(max(known.steps, 3), dump)]
         config = load_config(toml_path, overrides)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

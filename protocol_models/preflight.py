@@ -1,8 +1,9 @@
 """Preflight: the checks of a config against this machine, before any worker starts.
 
 The data (every part the run reads opens and holds text), the tokenizer (present, fits
-``model.vocab_size``, names an EOS token), a writable dump folder and, when the run would resume,
-a checkpoint of this model's shapes. Each failure is one ``ConfigError`` line.
+``model.vocab_size``, names an EOS token), a writable dump folder, a wandb API key when wandb
+logs online and, when the run would resume, a checkpoint of this model's shapes. Each failure
+is one ``ConfigError`` line.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     if not (pending and data.is_bundled_path(config.hf_assets_path)):
         _check_tokenizer(config)
     _check_writable(config.dump_folder)
+    if config.metrics.enable_wandb:
+        check_wandb_key()
     _check_resumable(config)
     if config.dataloader.hf_dataset and "LOCAL_RANK" not in os.environ:
         corpus.check_hub_dataset(config.dataloader.hf_dataset)
@@ -75,6 +78,38 @@ def _check_tokenizer(config: ProtocolTrainer.Config) -> None:
         eos is not None,
         f"hf_assets_path = {path!r}: the tokenizer names no EOS token, so documents would run "
         f"together; name one as eos_token (and bos_token) in {Path(path, 'tokenizer_config.json')}",
+    )
+
+
+WANDB_KEYLESS_MODES = ("offline", "disabled", "dryrun")
+"""``WANDB_MODE`` values that need no API key."""
+
+
+def check_wandb_key(env=os.environ) -> None:
+    """wandb logging online needs an API key on this node: ``WANDB_API_KEY``, an identity token
+    file (``WANDB_IDENTITY_TOKEN_FILE``) or a ``wandb login`` entry in the netrc file (``NETRC``,
+    else ``~/.netrc``) for ``WANDB_BASE_URL``'s host (default ``api.wandb.ai``). Without one,
+    ``wandb.init`` raises in the metrics rank after the GPUs were allocated."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    mode = (env.get("WANDB_MODE") or "online").lower()
+    if mode in WANDB_KEYLESS_MODES or env.get("WANDB_DISABLED", "").lower() in ("1", "true"):
+        return
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlsplit(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = env.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(
+        f"metrics.enable_wandb = true and WANDB_MODE = {mode!r}, but this node has no wandb API "
+        f"key (no WANDB_API_KEY, no {host} entry in {path}): set WANDB_API_KEY (or run `wandb "
+        "login`), set WANDB_MODE=offline to sync later with `wandb sync`, or metrics.enable_wandb "
+        "= false"
     )
 
 

@@ -18,17 +18,21 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from protocol_models import console
 from protocol_models.config import load_config, split_argv
-from protocol_models.errors import UserError
+from protocol_models.errors import USER_ERROR_FILE_ENV, UserError
 
 
 @record  # a bug's traceback goes to the error file (and is raised on)
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 a user error (config, start-up check, non-finite guard)."""
+    """Exit codes: 0 done, 2 a user error (config, start-up check, non-finite guard; left in
+    ``PROTOCOL_MODELS_USER_ERROR_FILE`` when the launcher set it, so that it is not restarted)."""
     try:
         run(*split_argv(sys.argv[1:] if argv is None else argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         get_error_handler().record_exception(e)  # a no-op outside torchelastic
+        if os.environ.get(USER_ERROR_FILE_ENV):  # the launcher ends the run: no restart
+            with open(os.environ[USER_ERROR_FILE_ENV], "w") as f:
+                f.write(str(e))
         return 2
     return 0
 

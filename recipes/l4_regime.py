@@ -7,6 +7,8 @@ share of a 2B model on L4 GPUs at 80, 200 and 1000 Mbit/s (+ 50 ms).
     python recipes/l4_regime.py --reuse-timing [--cached-only]   # the links and step times of
         # the existing results.json (arms it lacks are timed on those links), then the budget
         # search (--cached-only: from the finished runs only)
+    python recipes/l4_regime.py --real-link     # as root: every arm of the existing results.json
+        # timed on each emulated link over a real shaped link, next to the simulator (~70 min)
 
 1. **The emulated links.** The dense twin's link-off step of the pipelined reference workload
    (4 processes, gloo) is measured; ``protocol_models.emulate`` turns it, with the planner's
@@ -24,6 +26,13 @@ share of a 2B model on L4 GPUs at 80, 200 and 1000 Mbit/s (+ 50 ms).
    (``BUDGETS``; 300 is its frontier run) until a run ends at or below the target; the steps to
    target interpolate the final losses linearly between the two budgets around the crossing.
 4. ``T = steps to target x step time``; ``T / time_scale`` is the L4-equivalent time.
+5. ``--real-link``: the step times again, each arm on each emulated link twice, back to back:
+   under the link simulator and over a real shaped link (``recipes.tun_relay``: 4 network
+   namespaces, one torchrun node each, every pair of nodes over its own link at the emulated
+   rate and one-way delay, the TCP settings the config check recommends applied in each; the
+   relay's drop counts kept). The simulated runs replace the earlier step times (the simulator
+   of this commit); ``T`` is then given for both, with the simulator's error against the real
+   link. Resumable: a rerun times only the pairs results.json lacks.
 
 Arms: dense (the twin), the exact subspace wire (k=8), the quantized subspace arm of the
 frontier with the smallest gap among those sending at most k=8's bytes, and the lossy baseline
@@ -36,12 +45,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from protocol_models.config import load_config
 from protocol_models.emulate import emulated_link
 from protocol_models.wire.codecs import CODECS
-from recipes import common
+from recipes import common, real_link, tun_relay
 from recipes.common import (
     REFERENCE,
     REPO,
@@ -112,6 +122,12 @@ def main() -> None:
         "time only the arms it lacks",
     )
     parser.add_argument(
+        "--real-link",
+        action="store_true",
+        help="time the existing results.json's arms over a real shaped link, paired with the "
+        "simulator (root)",
+    )
+    parser.add_argument(
         "--cached-only",
         action="store_true",
         help="budget search over the finished runs only (no budget run is trained; arms "
@@ -125,6 +141,17 @@ def main() -> None:
     quick = QUICK if args.quick else []
     frontier = json.loads(FRONTIER.read_text())
     arms = pick_arms(frontier)
+    if args.real_link:
+        problem = tun_relay.check_privileges()
+        if problem:
+            parser.error(problem)
+        tun_relay.exit_on_sigterm()
+        results = json.loads((args.out / "results.json").read_text())
+        timed_arms = {n: arms.get(n) or arm_overrides(frontier["runs"][n])
+                      for n in results["steps_to_target"]}  # fmt: skip
+        time_on_real_links(results, timed_arms, quick, args.out)
+        report(results, args.out)
+        return
     if args.arms:
         arms = {
             "dense": arms["dense"],
@@ -188,6 +215,48 @@ def time_on_links(results: dict, arms: dict[str, list[str]], quick: list[str], o
             (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
+def time_on_real_links(results: dict, arms: dict[str, list[str]], quick: list[str],
+                       out: Path) -> None:  # fmt: skip
+    """The module docstring's step 5: each arm on each of ``results``' emulated links, simulated
+    and then over the real relay; ``results["step_s"]`` takes the simulated step times,
+    ``results["real_link"]`` the real ones (with steadiness, drop counts, whether the losses
+    equal the simulated run's bit for bit, the TCP settings and the commit); saved after every
+    pair, and the pairs it holds are not timed again."""
+    steps = 6 if quick else TIMING_STEPS
+    reference = load_config(str(REFERENCE), quick, check_environment=False)
+    nodes = reference.parallelism.pipeline_parallel_degree
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    fields = ("step_s", "steady", "dropped", "losses_equal", "tcp", "commits")
+    real = results.setdefault("real_link", {name: {} for name in fields})
+    for mbps, link in results["links"].items():
+        todo = {n: over for n, over in arms.items() if f"{n}/{mbps}" not in real["step_s"]}
+        if not todo:
+            continue
+        shape = tun_relay.Shape(link["bandwidth_mbps"], link["latency_ms"])
+        with tun_relay.link_namespaces(shape, nodes) as relay:
+            real["tcp"][mbps] = real_link.apply_tcp_fixes(shape, nodes)
+            for name, over in todo.items():
+                key, folder = f"{name}/{mbps}", out / "runs" / "real_link" / f"{name}/{mbps}"
+                over = [*quick, *over, *timed(steps)]
+                wan = ["--wan.bandwidth_mbps", f"{shape.mbps:.6g}",
+                       "--wan.latency_ms", f"{shape.delay_ms:.6g}"]  # fmt: skip
+                simulated = train(folder / "sim", [*over, *wan], env=env)
+                records, dropped = real_link.real_run(folder / "real", over, nodes, relay,
+                                                      toml=REFERENCE)  # fmt: skip
+                results["step_s"][key], results["steady"][key] = steady_step_time(
+                    simulated, window=TIMING_WINDOW
+                )
+                real["step_s"][key], real["steady"][key] = steady_step_time(
+                    records, window=TIMING_WINDOW
+                )
+                real["dropped"][key] = sum(dropped.values())
+                real["losses_equal"][key] = [r["loss"] for r in records] == [
+                    r["loss"] for r in simulated
+                ]
+                real["commits"][key] = real_link.current_commit()
+                (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
 def timed_on_every_link(results: dict, name: str) -> bool:
     return all(f"{name}/{mbps}" in results["step_s"] for mbps in results["links"])
 
@@ -222,55 +291,100 @@ def final_loss(over: list[str], quick: list[str], steps: int, cached_only: bool 
 
 
 def t_rows(results: dict) -> list[dict]:
-    """Per (target link, arm): steps to target, step time, T, L4-equivalent T, T(dense) / T."""
+    """Per (target link, arm): steps to target, step time, T, L4-equivalent T, T(dense) / T;
+    with ``--real-link`` timings, the same from the real link's step time (``*_real``) and the
+    simulator's error against it (%, positive: optimistic)."""
+    real = results.get("real_link", {}).get("step_s", {})
     rows = []
     for mbps, link in results["links"].items():
-        dense = None
+        dense = dense_real = None
         for name, reach in results["steps_to_target"].items():
-            step_s = results["step_s"][f"{name}/{mbps}"]
-            t = None if reach["steps"] is None else reach["steps"] * step_s
-            dense = t if name == "dense" else dense
-            rows.append({"mbps": int(mbps), "arm": name, "steps": reach["steps"],
-                         "step_s": step_s, "T_s": t,
-                         "T_l4_s": None if t is None else t / link["time_scale"],
-                         "speedup": None if t is None else dense / t})  # fmt: skip
+            key, steps = f"{name}/{mbps}", reach["steps"]
+            row = {"mbps": int(mbps), "arm": name, "steps": steps}
+            for suffix, step_s in (("", results["step_s"][key]), ("_real", real.get(key))):
+                t = None if steps is None or step_s is None else steps * step_s
+                if name == "dense":
+                    dense, dense_real = (t, dense_real) if suffix == "" else (dense, t)
+                base = dense if suffix == "" else dense_real
+                row[f"step_s{suffix}"], row[f"T_s{suffix}"] = step_s, t
+                row[f"T_l4_s{suffix}"] = None if t is None else t / link["time_scale"]
+                row[f"speedup{suffix}"] = None if t is None or base is None else base / t
+            if row["step_s_real"] is not None:  # tokens/s simulated over real, - 1
+                row["sim_error_pct"] = 100 * (row["step_s_real"] / row["step_s"] - 1)
+            rows.append(row)
     return rows
 
 
 def render_table(results: dict) -> str:
     meta = results["meta"]
+    real = results.get("real_link")
     lines = [
         f"Reference workload, pipelined over 4 processes (gloo) on links emulating "
         f"`{meta['target']}` on its GPUs at each bandwidth + {meta['latency_ms']:g} ms; "
         f"link-off dense step {meta['link_off_step_s']:.3f} s. Target: validation loss "
         f"{meta['target_loss']:.3f} (the dense twin's at {meta['base_steps']} steps).",
         "",
-        "| target link | emulated link | arm | steps to target | step time | T | T (L4 equiv.) "
-        "| T(dense) / T |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    if real:
+        lines += [
+            "Step times measured on each emulated link twice, back to back: under the link "
+            "simulator and over a real shaped link (4 torchrun nodes in network namespaces, "
+            "every pair over its own link through a userspace relay). The error is the "
+            "simulator's tokens/s against the real link's (positive: optimistic).",
+            "",
+            "| target link | emulated link | arm | steps to target | step simulated | step real "
+            "| simulator error | T simulated | T real | T real (L4 equiv.) | T(dense) / T real "
+            "| dropped |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| target link | emulated link | arm | steps to target | step time | T | "
+            "T (L4 equiv.) | T(dense) / T |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
     for row in t_rows(results):
+        key = f"{row['arm']}/{row['mbps']}"
         link = results["links"][str(row["mbps"])]
         reached = row["steps"] is not None
         reach = results["steps_to_target"][row["arm"]]
         missing = f"not within {reach['budgets'][-1][0]}" + (
             f" ({reach['pending']} not run yet)" if "pending" in reach else ""
         )
-        steady = results.get("steady", {}).get(f"{row['arm']}/{row['mbps']}", True)
-        lines.append(
-            f"| {row['mbps']} Mbit/s | {link['bandwidth_mbps']:.3g} Mbit/s + "
-            f"{link['latency_ms']:.0f} ms | {row['arm']} | "
-            + (f"{row['steps']:.0f}" if reached else missing)
-            + f" | {row['step_s']:.2f} s{'' if steady else '*'} | "
-            + (
-                f"{row['T_s']:,.0f} s | {row['T_l4_s']:,.0f} s | {row['speedup']:.1f}x |"
+
+        def step(seconds, steady) -> str:
+            return "–" if seconds is None else f"{seconds:.2f} s{'' if steady else '*'}"
+
+        sim_step = step(row["step_s"], results.get("steady", {}).get(key, True))
+        cells = [f"{row['mbps']} Mbit/s",
+                 f"{link['bandwidth_mbps']:.3g} Mbit/s + {link['latency_ms']:.0f} ms",
+                 row["arm"], f"{row['steps']:.0f}" if reached else missing]  # fmt: skip
+        if real:
+            timed_real = row["step_s_real"] is not None
+            cells += [
+                sim_step,
+                step(row["step_s_real"], real["steady"].get(key, True)),
+                f"{row['sim_error_pct']:+.0f}%" if timed_real else "–",
+                f"{row['T_s']:,.0f} s" if reached else "–",
+                f"{row['T_s_real']:,.0f} s" if reached and timed_real else "–",
+                f"{row['T_l4_s_real']:,.0f} s" if reached and timed_real else "–",
+                f"{row['speedup_real']:.1f}x" if row["speedup_real"] is not None else "–",
+                str(real["dropped"].get(key, "–")),
+            ]
+        else:
+            cells += [sim_step] + (
+                [f"{row['T_s']:,.0f} s", f"{row['T_l4_s']:,.0f} s", f"{row['speedup']:.1f}x"]
                 if reached
-                else "— | — | — |"
-            )  # fmt: skip
-        )
+                else ["—", "—", "—"]
+            )
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"`*`: no three consecutive {TIMING_WINDOW}-step windows agreed within 1%; "
-              "the median of the last three.", "",
-              "Budgets tried (steps: final validation loss, seed 0):", ""]  # fmt: skip
+              "the median of the last three.", ""]  # fmt: skip
+    if real:
+        same = all(real["losses_equal"].values())
+        lines += [f"Losses over the real link equal the simulated run's bit for bit: "
+                  f"{'yes, every pair' if same else '**no**'}.", ""]  # fmt: skip
+    lines += ["Budgets tried (steps: final validation loss, seed 0):", ""]
     for name, reach in results["steps_to_target"].items():
         tried = ", ".join(f"{b}: {loss:.3f}" for b, loss in reach["budgets"])
         lines.append(f"- {name}: {tried}")
@@ -284,16 +398,19 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    rows = [r for r in t_rows(results) if r["T_l4_s"] is not None]
-    for arm in results["steps_to_target"]:
-        points = sorted((r["mbps"], r["T_l4_s"]) for r in rows if r["arm"] == arm)
-        if points:
-            ax.plot(*zip(*points, strict=True), "o-", label=arm)
+    rows = t_rows(results)
+    for i, arm in enumerate(results["steps_to_target"]):
+        color = f"C{i}"
+        for suffix, style, label in (("", "o-", arm), ("_real", "s--", f"{arm} (real link)")):
+            points = sorted((r["mbps"], r[f"T_l4_s{suffix}"]) for r in rows
+                            if r["arm"] == arm and r[f"T_l4_s{suffix}"] is not None)  # fmt: skip
+            if points:
+                ax.plot(*zip(*points, strict=True), style, color=color, label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("target link bandwidth (Mbit/s, + 50 ms)")
     ax.set_ylabel("time to target, L4-equivalent (s)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

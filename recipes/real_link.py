@@ -164,7 +164,8 @@ def simulated(folder: Path, mode: str, nodes: int, shape: Shape, steps: int, qui
     return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
 
 
-def node_command(node: int, nodes: int, folder: Path, overrides: list[str]) -> list[str]:
+def node_command(node: int, nodes: int, folder: Path, overrides: list[str],
+                 toml: Path) -> list[str]:  # fmt: skip
     """torchrun for node ``node`` of ``nodes`` in its namespace; node 0 hosts the store."""
     torchrun = [
         sys.executable,
@@ -183,7 +184,7 @@ def node_command(node: int, nodes: int, folder: Path, overrides: list[str]) -> l
         "-m",
         "protocol_models.train",
         "--toml",
-        str(TOML),
+        str(toml),
         "--dump_folder",
         str(folder),
         *overrides,
@@ -194,11 +195,11 @@ def node_command(node: int, nodes: int, folder: Path, overrides: list[str]) -> l
 
 
 @contextlib.contextmanager
-def node_process(node: int, nodes: int, folder: Path, overrides: list[str]):
+def node_process(node: int, nodes: int, folder: Path, overrides: list[str], toml: Path):
     """Node ``node``'s torchrun, logging to ``run_node<node>.log``; terminated (with its
     workers) if the ``with`` body ends before it does."""
     with open(folder / f"run_node{node}.log", "w") as log:
-        cmd = node_command(node, nodes, folder, overrides)
+        cmd = node_command(node, nodes, folder, overrides, toml)
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             yield proc
@@ -209,23 +210,28 @@ def node_process(node: int, nodes: int, folder: Path, overrides: list[str]):
 
 
 def real(folder: Path, mode: str, nodes: int, relay: Relay, steps: int, quick: bool) -> dict:
-    """One run over the relay: ``nodes`` torchrun nodes, one per namespace (the link must be
-    up), with the packets each link dropped during it."""
+    """One run of the study over the relay (``real_run``), summarized."""
+    records, dropped = real_run(folder, run_overrides(mode, nodes, steps, quick), nodes, relay)
+    return {**summarize(records), "dropped": dropped}
+
+
+def real_run(folder: Path, overrides: list[str], nodes: int, relay: Relay,
+             toml: Path = TOML) -> tuple[list[dict], dict[str, int]]:  # fmt: skip
+    """One training run over the relay: ``nodes`` torchrun nodes, one per namespace (the link
+    must be up); its ``metrics.jsonl`` records and the packets each link dropped during it."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "metrics.jsonl").unlink(missing_ok=True)
-    overrides = run_overrides(mode, nodes, steps, quick)
     before = relay.dropped()
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(node_process(n, nodes, folder, overrides))
+        procs = [stack.enter_context(node_process(n, nodes, folder, overrides, toml))
                  for n in range(nodes)]  # fmt: skip
         codes = [proc.wait() for proc in procs]
     if any(codes):
         raise RuntimeError(f"real-link run failed {codes}; see {folder}/run_node*.log")
     from protocol_models.metrics import read_jsonl
 
-    result = summarize(read_jsonl(folder / "metrics.jsonl"))
-    result["dropped"] = {k: v - before[k] for k, v in relay.dropped().items()}
-    return result
+    dropped = {k: v - before[k] for k, v in relay.dropped().items()}
+    return read_jsonl(folder / "metrics.jsonl"), dropped
 
 
 @contextlib.contextmanager

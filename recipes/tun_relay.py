@@ -3,8 +3,8 @@
     python -m recipes.tun_relay --mbps 10 --delay-ms 25             # as root, until Ctrl-C
     python -m recipes.tun_relay --mbps 80 --delay-ms 50 --nodes 3   # three nodes
 
-``nodes`` namespaces (2 or 3), ``pmlink-a``, ``pmlink-b``, ``pmlink-c``, each hold one TUN device
-(MTU 1500) with an address of ``10.203.0.0/24`` (``10.203.0.1``, ``.2``, ``.3``). This process owns
+``nodes`` namespaces (2 to 4), ``pmlink-a``, ``pmlink-b``, ..., each hold one TUN device
+(MTU 1500) with an address of ``10.203.0.0/24`` (``10.203.0.1``, ``.2``, ...). This process owns
 every device: it reads each raw IPv4 packet a node sends and writes it to the device of the node
 it is addressed to, after
 
@@ -44,10 +44,10 @@ IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
 PR_SET_PDEATHSIG = 1
 MTU = 1500
-NAMESPACES = ("pmlink-a", "pmlink-b", "pmlink-c")
-DEVICES = ("pmtun-a", "pmtun-b", "pmtun-c")
-ADDRESSES = ("10.203.0.1", "10.203.0.2", "10.203.0.3")
-NAMES = ("a", "b", "c")
+NAMES = ("a", "b", "c", "d")
+NAMESPACES = tuple(f"pmlink-{name}" for name in NAMES)
+DEVICES = tuple(f"pmtun-{name}" for name in NAMES)
+ADDRESSES = tuple(f"10.203.0.{i + 1}" for i in range(len(NAMES)))
 LOCK = "/run/pmlink.lock"
 """Held while a relay is up: a second one would tear the first one's namespaces down."""
 SUBNET_BITS = 24
@@ -277,7 +277,8 @@ def main() -> None:
     parser.add_argument("--mbps", type=float, required=True, help="rate, Mbit/s, each direction")
     parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay, ms")
     parser.add_argument("--queue-ms", type=float, default=100.0, help="drop-tail buffer, ms")
-    parser.add_argument("--nodes", type=int, default=2, choices=(2, 3), help="namespaces")
+    parser.add_argument("--nodes", type=int, default=2, choices=range(2, len(NAMES) + 1),
+                        help="namespaces")  # fmt: skip
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = Shape(args.mbps, args.delay_ms, args.queue_ms)

@@ -105,9 +105,9 @@ def test_resume_with_a_different_k_is_refused(tmp_path):
     assert sorted(str(p) for p in dump.rglob("*")) == before, "the dump folder was modified"
 
 
-def _launch_two_nodes(tmp_path, node_ranks: list[int], *per_node: list[str]) -> list:
+def _launch_two_nodes(tmp_path, node_ranks: list[int], *per_node: list[str], restarts: int = 0) -> list:
     """Two torchrun "nodes" (one process each, c10d rendezvous on localhost), started with the
-    given ``--node_rank`` values and per-node extra overrides."""
+    given ``--node_rank`` values, ``--max-restarts restarts`` and per-node extra overrides."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -115,6 +115,7 @@ def _launch_two_nodes(tmp_path, node_ranks: list[int], *per_node: list[str]) -> 
         subprocess.Popen(
             [sys.executable, "-m", "protocol_models.launch", "--nnodes", "2", "--node_rank", str(rank),
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--nproc_per_node", "1",
+             "--max-restarts", str(restarts),
              "-m", "protocol_models.train", "--toml", str(TINY), *extra],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
@@ -122,21 +123,27 @@ def _launch_two_nodes(tmp_path, node_ranks: list[int], *per_node: list[str]) -> 
     ]  # fmt: skip
 
 
-def test_seed_mismatch_between_nodes_is_refused_at_startup(tmp_path):
-    """Two torchrun "nodes" (one stage each) launched with different protocol.seed."""
+def test_seed_mismatch_between_nodes_is_refused_at_startup_and_not_restarted(tmp_path):
+    """Two torchrun "nodes" (one stage each) launched with different protocol.seed and two
+    restarts allowed: a user error is deterministic, so the run ends after the first attempt,
+    its last line the error."""
     nodes = _launch_two_nodes(
         tmp_path, [0, 1],
         *(["--dump_folder", str(tmp_path / f"node{rank}"), "--protocol.seed", str(seed)]
           for rank, seed in ((0, 7), (1, 8))),
+        restarts=2,
     )  # fmt: skip
     for node in nodes:
         out, err = node.communicate(timeout=300)
-        assert node.returncode != 0
+        assert node.returncode == 2, err[-3000:]
         assert (
             "error: pipeline stages disagree on the subspace" in err
             and "seed=7" in err
             and "seed=8" in err
         )
+        # the worker's line, then the launcher's: no second attempt met the error again
+        assert err.count("pipeline stages disagree") == 2, err[-3000:]
+        assert err.strip().splitlines()[-1].endswith("(not restarted: a user error would recur)")
         assert "Traceback" not in out + err
         assert "step:  1" not in out + err, "training started"
 

@@ -1,0 +1,75 @@
+"""Which network interface the cross-region traffic would leave by, and a warning when it is the
+wrong one.
+
+A node rented in a region often has two interfaces: the region's private network (``eth0``,
+``10.x``/``172.16-31.x``/``192.168.x``, unreachable from other regions) and a VPN that joins
+the regions (WireGuard's ``wg0``, ``tailscale0``, ZeroTier's ``zt*``, OpenVPN's ``tun0``). NCCL
+and gloo bind the interfaces ``NCCL_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` name; with the
+SLURM scripts' default ``^lo,docker`` (every interface but those) NCCL may announce the private
+address, and peers in other regions then never connect: the first collective hangs until the
+timeout. ``interface_warning`` says so in one line, with the setting that picks the VPN.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Mapping
+
+VPN_PREFIXES = ("wg", "tailscale", "zt", "tun", "nebula")
+"""Interface name prefixes of the usual VPNs (WireGuard, Tailscale, ZeroTier, OpenVPN, Nebula)."""
+IGNORED_PREFIXES = ("lo", "docker", "veth", "br-", "virbr")
+"""Loopback and container bridges: never a path to another node."""
+SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B
+
+
+def ipv4_interfaces() -> dict[str, ipaddress.IPv4Interface]:
+    """This machine's interfaces with an IPv4 address: name -> address/prefix."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                address = fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)[20:24]
+                netmask = fcntl.ioctl(s.fileno(), SIOCGIFNETMASK, request)[20:24]
+            except OSError:  # no IPv4 address
+                continue
+            found[name] = ipaddress.IPv4Interface(
+                f"{socket.inet_ntoa(address)}/{socket.inet_ntoa(netmask)}"
+            )
+    return found
+
+
+def interface_warning(
+    env: Mapping[str, str] = os.environ,
+    interfaces: Mapping[str, ipaddress.IPv4Interface] | None = None,
+) -> str | None:
+    """One ``warning:`` line when NCCL's interface choice is left open (``NCCL_SOCKET_IFNAME``
+    unset or an exclusion list ``^...``) while this node has a VPN-like interface -- one named
+    like a VPN, or the one whose subnet holds ``MASTER_ADDR`` -- next to a private-address
+    interface other regions cannot reach; None otherwise (a single path, or the choice made)."""
+    chosen = env.get("NCCL_SOCKET_IFNAME", "")
+    if chosen and not chosen.startswith("^"):
+        return None
+    interfaces = ipv4_interfaces() if interfaces is None else interfaces
+    usable = {n: a for n, a in interfaces.items() if not n.startswith(IGNORED_PREFIXES)}
+    vpn = [n for n in usable if n.startswith(VPN_PREFIXES)]
+    try:
+        master = ipaddress.IPv4Address(env.get("MASTER_ADDR", ""))
+    except ValueError:  # unset or a host name
+        master = None
+    shared = [n for n, a in usable.items() if master is not None and master in a.network]
+    path = (shared or vpn or [None])[0]
+    private = [n for n, a in usable.items() if n != path and a.ip.is_private]
+    if path is None or not private:
+        return None
+    why = f"its subnet holds MASTER_ADDR {master}" if shared else "it looks like a VPN"
+    others = ", ".join(f"{n} ({usable[n].ip})" for n in private)
+    return (
+        f"warning: NCCL_SOCKET_IFNAME={chosen or '(unset)'} lets NCCL pick {others}, a private "
+        f"address other regions cannot reach, instead of {path} ({usable[path].ip}: {why}); "
+        f"set NCCL_SOCKET_IFNAME={path} GLOO_SOCKET_IFNAME={path}"
+    )
