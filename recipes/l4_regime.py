@@ -295,17 +295,20 @@ def t_rows(results: dict) -> list[dict]:
     with ``--real-link`` timings, the same from the real link's step time (``*_real``) and the
     simulator's error against it (%, positive: optimistic)."""
     real = results.get("real_link", {}).get("step_s", {})
+
+    def t_of(name: str, step_s: float | None) -> float | None:
+        steps = results["steps_to_target"][name]["steps"]
+        return None if steps is None or step_s is None else steps * step_s
+
     rows = []
     for mbps, link in results["links"].items():
-        dense = dense_real = None
+        dense = {"": t_of("dense", results["step_s"][f"dense/{mbps}"]),
+                 "_real": t_of("dense", real.get(f"dense/{mbps}"))}  # fmt: skip
         for name, reach in results["steps_to_target"].items():
-            key, steps = f"{name}/{mbps}", reach["steps"]
-            row = {"mbps": int(mbps), "arm": name, "steps": steps}
+            key = f"{name}/{mbps}"
+            row = {"mbps": int(mbps), "arm": name, "steps": reach["steps"]}
             for suffix, step_s in (("", results["step_s"][key]), ("_real", real.get(key))):
-                t = None if steps is None or step_s is None else steps * step_s
-                if name == "dense":
-                    dense, dense_real = (t, dense_real) if suffix == "" else (dense, t)
-                base = dense if suffix == "" else dense_real
+                t, base = t_of(name, step_s), dense[suffix]
                 row[f"step_s{suffix}"], row[f"T_s{suffix}"] = step_s, t
                 row[f"T_l4_s{suffix}"] = None if t is None else t / link["time_scale"]
                 row[f"speedup{suffix}"] = None if t is None or base is None else base / t
