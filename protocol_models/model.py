@@ -247,6 +247,11 @@ class ProtocolModel(Llama3Model):
         self.measure_leak = True
         """Whether the forward measures the leak (three fp32 ``[mb, seq, d]`` temporaries per
         microbatch); ``start_leak_window`` turns it on for log steps only."""
+        self.in_microbatch = False
+        """True while the pipeline stage computes one of a step's microbatches
+        (``WirePipelineStage.forward_one_chunk``), the only forwards whose leak is measured: the
+        pipeline's metadata inference before step 1 runs the stages on uninitialised placeholder
+        inputs, whose leak means nothing (and reads NaN where the memory holds NaN)."""
 
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
         if not self.subspace:
@@ -349,7 +354,7 @@ class ProtocolModel(Llama3Model):
         if not self.subspace:
             return h
         basis = self.basis.detach()
-        if self.measure_leak:
+        if self.measure_leak and self.in_microbatch:
             stage_leak = subspace.leak(h, ids, basis, self.token_table)
             self.boundary_leak = (
                 stage_leak

@@ -22,6 +22,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
@@ -160,7 +161,10 @@ class ProtocolTrainer(Trainer):
                 microbatch=config.parallelism.pipeline_parallel_microbatch_size,
             ),
             post_optimizer_build_fn=partial(
-                after_optimizers_built, protocol=config.protocol, meter=self.wire.meter
+                after_optimizers_built,
+                protocol=config.protocol,
+                meter=self.wire.meter,
+                timeout=init_timeout(config),
             ),
         )
         if config.model.loss_chunk_tokens:
@@ -182,7 +186,10 @@ class ProtocolTrainer(Trainer):
         if dims.pp_enabled and not dims.ep_enabled and config.transport.exchange_grad_norm:
             group = self.parallel_dims.get_mesh("pp").get_group()
             ranks = dist.get_process_group_ranks(group)
-            self.norm_exchange = NormExchange(ranks, self.device, self.wire.meter, self.wire.link)
+            self.norm_exchange = NormExchange(ranks, self.device, self.wire.meter, self.wire.link,
+                                              timeout=init_timeout(config))  # fmt: skip
+        self._steps_run = 0
+        """Steps this process has trained (a resumed run starts again at 0)."""
 
     @property
     def subspace_tracker(self) -> SubspaceTracker | None:
@@ -213,11 +220,29 @@ class ProtocolTrainer(Trainer):
             )
 
     def init_distributed(self) -> ParallelDims:
-        """TorchTitan's process group and parallel dims, then ``check_placement`` (before any
-        model is built)."""
+        """TorchTitan's process group and parallel dims, every mesh group given the init
+        timeout, then ``check_placement`` (before any model is built).
+
+        TorchTitan creates the world group with ``[comm] init_timeout_seconds`` but the mesh's
+        groups with the backend's default (NCCL: 10 min), and sets every group to
+        ``train_timeout_seconds`` only after this process's first step. That first step holds
+        the pipeline's metadata inference, which runs the stages one after another -- each
+        one's cold compile (flex attention at max-autotune: minutes) while the others wait in a
+        receive -- so until it ends every group, the plugin's own included
+        (``plugin_groups``), gets the init timeout; then the train timeout (``train_step``)."""
         parallel_dims = super().init_distributed()
+        if dist.is_initialized():
+            for mesh in parallel_dims.get_all_one_dimensional_meshes().values():
+                dist.set_timeout(init_timeout(self.config), mesh.get_group())
         self.check_placement(parallel_dims)
         return parallel_dims
+
+    def plugin_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups the plugin creates (the gradient-norm exchange's, MAPL's boundary
+        sync's): TorchTitan's timeout changes do not reach them."""
+        groups = self.norm_exchange.groups if self.norm_exchange is not None else []
+        sync = self.optimizers.boundary_sync
+        return groups + ([sync.group] if sync is not None and sync.group is not None else [])
 
     def check_placement(self, dims: ParallelDims) -> None:
         """Every rank logs where it runs; a stage whose data-parallel group (the ranks that hold
@@ -304,6 +329,11 @@ class ProtocolTrainer(Trainer):
             metrics=self.metrics_processor,
         ):
             super().train_step(data_iterator)
+        self._steps_run += 1
+        if self._steps_run == 1:  # as TorchTitan does for its groups after this step
+            train = timedelta(seconds=self.config.comm.train_timeout_seconds)
+            for group in self.plugin_groups():
+                dist.set_timeout(train, group)
         if measure:
             logger.info(self.progress.line(self.step))
 
@@ -498,7 +528,13 @@ def protocol_identity(config: ProtocolTrainer.Config) -> str:
     return identity
 
 
-def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, meter) -> None:
+def init_timeout(config: ProtocolTrainer.Config) -> timedelta:
+    """``[comm] init_timeout_seconds``: what every group waits until the first step is done."""
+    return timedelta(seconds=config.comm.init_timeout_seconds)
+
+
+def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, meter,
+                           timeout: timedelta) -> None:  # fmt: skip
     """``ModelSpec.post_optimizer_build_fn``: tell the subspace optimizers which weights are
     constrained and where U is, (``mapl`` mode) give the optimizer container the
     ``BoundarySync`` of the MAPL copies, metered on ``meter``, and (``protocol.update_every`` >
@@ -510,7 +546,7 @@ def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, 
         # a group of its own: on gloo, where sends and receives between two ranks of one group
         # match in order, the next step's early-posted activation receive would take its message
         ranks = dist.get_process_group_ranks(pp_mesh.get_group())
-        group = dist.new_group(ranks, use_local_synchronization=True)
+        group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
         sync.use_group(group, pp_mesh.get_local_rank(), pp_mesh.size())
     optimizers.boundary_sync = sync if sync.sides else None
     if protocol.update_every > 0 and model_parts[0].subspace:

@@ -7,8 +7,9 @@ share of a 2B model on L4 GPUs at 80, 200 and 1000 Mbit/s (+ 50 ms).
     python recipes/l4_regime.py --reuse-timing [--cached-only]   # the links and step times of
         # the existing results.json (arms it lacks are timed on those links), then the budget
         # search (--cached-only: from the finished runs only)
-    python recipes/l4_regime.py --real-link     # as root: every arm of the existing results.json
-        # timed on each emulated link over a real shaped link, next to the simulator (~70 min)
+    python recipes/l4_regime.py --real-link [--buffer bdp|100ms]   # as root: every arm of the
+        # existing results.json timed on each emulated link over a real shaped link, next to
+        # the simulator (~80 min)
 
 1. **The emulated links.** The dense twin's link-off step of the pipelined reference workload
    (4 processes, gloo) is measured; ``protocol_models.emulate`` turns it, with the planner's
@@ -30,9 +31,11 @@ share of a 2B model on L4 GPUs at 80, 200 and 1000 Mbit/s (+ 50 ms).
    under the link simulator and over a real shaped link (``recipes.tun_relay``: 4 network
    namespaces, one torchrun node each, every pair of nodes over its own link at the emulated
    rate and one-way delay, the TCP settings the config check recommends applied in each; the
-   relay's drop counts kept). The simulated runs replace the earlier step times (the simulator
-   of this commit); ``T`` is then given for both, with the simulator's error against the real
-   link. Resumable: a rerun times only the pairs results.json lacks.
+   relay's drop counts kept). ``--buffer`` sets the relay's drop-tail buffer (``BUFFERS``:
+   one bandwidth-delay product by default, as the target link's 100 ms buffer is). The
+   simulated runs replace the earlier step times (the simulator of this commit); ``T`` is then
+   given for both, with the simulator's error against the real link. Resumable: a rerun times
+   only the pairs results.json lacks for that buffer.
 
 Arms: dense (the twin), the exact subspace wire (k=8), the quantized subspace arm of the
 frontier with the smallest gap among those sending at most k=8's bytes, and the lossy baseline
@@ -127,6 +130,8 @@ def main() -> None:
         help="time the existing results.json's arms over a real shaped link, paired with the "
         "simulator (root)",
     )
+    parser.add_argument("--buffer", choices=list(BUFFERS), default="bdp",
+                        help="with --real-link: the relay's drop-tail buffer")  # fmt: skip
     parser.add_argument(
         "--cached-only",
         action="store_true",
@@ -149,7 +154,7 @@ def main() -> None:
         results = json.loads((args.out / "results.json").read_text())
         timed_arms = {n: arms.get(n) or arm_overrides(frontier["runs"][n])
                       for n in results["steps_to_target"]}  # fmt: skip
-        time_on_real_links(results, timed_arms, quick, args.out)
+        time_on_real_links(results, timed_arms, quick, args.out, args.buffer)
         report(results, args.out)
         return
     if args.arms:
@@ -215,37 +220,56 @@ def time_on_links(results: dict, arms: dict[str, list[str]], quick: list[str], o
             (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
-def time_on_real_links(results: dict, arms: dict[str, list[str]], quick: list[str],
-                       out: Path) -> None:  # fmt: skip
+BUFFERS = {"bdp": None, "100ms": 100.0}
+"""The relay's drop-tail buffer per ``--buffer``: one bandwidth-delay product of the emulated link
+(``2 x latency``; None) -- what a 100 ms router buffer is on the target's 80 Mbit/s + 50 ms link,
+1 MB against its 86 kB messages -- or 100 ms as on the transport benchmark's links, which at an
+emulated 0.717 Mbit/s holds 9 kB: less than one k=8 message, so every burst loses packets."""
+
+
+BUFFER_WORDS = {"bdp": "one bandwidth-delay product", "100ms": "100 ms"}
+
+
+def queue_ms(buffer: str, latency_ms: float) -> float:
+    """The relay's ``queue_ms`` for ``buffer`` (``BUFFERS``) on a link of ``latency_ms``."""
+    return BUFFERS[buffer] or 2 * latency_ms
+
+
+def time_on_real_links(results: dict, arms: dict[str, list[str]], quick: list[str], out: Path,
+                       buffer: str = "bdp") -> None:  # fmt: skip
     """The module docstring's step 5: each arm on each of ``results``' emulated links, simulated
-    and then over the real relay; ``results["step_s"]`` takes the simulated step times,
-    ``results["real_link"]`` the real ones (with steadiness, drop counts, whether the losses
-    equal the simulated run's bit for bit, the TCP settings and the commit); saved after every
-    pair, and the pairs it holds are not timed again."""
+    and then over the real relay with drop-tail ``buffer``; ``results["real_link"][buffer]``
+    takes both step times (with steadiness, drop counts, whether the losses equal the simulated
+    run's bit for bit, the queue, the TCP settings and the commit), ``results["step_s"]`` the
+    simulated ones; saved after every pair, and the pairs it holds are not timed again."""
     steps = 6 if quick else TIMING_STEPS
     reference = load_config(str(REFERENCE), quick, check_environment=False)
     nodes = reference.parallelism.pipeline_parallel_degree
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    fields = ("step_s", "steady", "dropped", "losses_equal", "tcp", "commits")
-    real = results.setdefault("real_link", {name: {} for name in fields})
+    fields = ("step_s", "steady", "sim_step_s", "sim_steady", "dropped", "losses_equal",
+              "queue_ms", "tcp", "commits")  # fmt: skip
+    real = results.setdefault("real_link", {}).setdefault(buffer, {f: {} for f in fields})
     for mbps, link in results["links"].items():
         todo = {n: over for n, over in arms.items() if f"{n}/{mbps}" not in real["step_s"]}
         if not todo:
             continue
-        shape = tun_relay.Shape(link["bandwidth_mbps"], link["latency_ms"])
+        queue = queue_ms(buffer, link["latency_ms"])
+        shape = tun_relay.Shape(link["bandwidth_mbps"], link["latency_ms"], queue)
         with tun_relay.link_namespaces(shape, nodes) as relay:
             real["tcp"][mbps] = real_link.apply_tcp_fixes(shape, nodes)
+            real["queue_ms"][mbps] = queue
             for name, over in todo.items():
-                key, folder = f"{name}/{mbps}", out / "runs" / "real_link" / f"{name}/{mbps}"
+                key = f"{name}/{mbps}"
+                folder = out / "runs" / "real_link" / buffer / key
                 over = [*quick, *over, *timed(steps)]
                 wan = ["--wan.bandwidth_mbps", f"{shape.mbps:.6g}",
                        "--wan.latency_ms", f"{shape.delay_ms:.6g}"]  # fmt: skip
                 simulated = train(folder / "sim", [*over, *wan], env=env)
                 records, dropped = real_link.real_run(folder / "real", over, nodes, relay,
                                                       toml=REFERENCE)  # fmt: skip
-                results["step_s"][key], results["steady"][key] = steady_step_time(
-                    simulated, window=TIMING_WINDOW
-                )
+                sim_time = steady_step_time(simulated, window=TIMING_WINDOW)
+                results["step_s"][key], results["steady"][key] = sim_time
+                real["sim_step_s"][key], real["sim_steady"][key] = sim_time
                 real["step_s"][key], real["steady"][key] = steady_step_time(
                     records, window=TIMING_WINDOW
                 )
@@ -290,37 +314,54 @@ def final_loss(over: list[str], quick: list[str], steps: int, cached_only: bool 
     return validation_curve(train_cached(over))[-1][1]
 
 
+def real_buffers(results: dict) -> list[str]:
+    """The ``--buffer`` settings ``results`` has real-link timings for, the table's first:
+    ``bdp`` when timed, else the first timed."""
+    timed = list(results.get("real_link", {}))
+    return sorted(timed, key=lambda b: b != "bdp")
+
+
 def t_rows(results: dict) -> list[dict]:
     """Per (target link, arm): steps to target, step time, T, L4-equivalent T, T(dense) / T;
-    with ``--real-link`` timings, the same from the real link's step time (``*_real``) and the
-    simulator's error against it (%, positive: optimistic)."""
-    real = results.get("real_link", {}).get("step_s", {})
+    with ``--real-link`` timings, the simulated step paired with the first of ``real_buffers``
+    and the same from its real step (``*_real``), the simulator's error against it (%, positive:
+    optimistic), and every buffer's real step (``step_s_real_by_buffer``)."""
+    buffers = real_buffers(results)
+    real = results["real_link"][buffers[0]] if buffers else {"step_s": {}, "sim_step_s": {}}
 
     def t_of(name: str, step_s: float | None) -> float | None:
         steps = results["steps_to_target"][name]["steps"]
         return None if steps is None or step_s is None else steps * step_s
 
+    def simulated(key: str) -> float:
+        return real["sim_step_s"].get(key, results["step_s"][key])
+
     rows = []
     for mbps, link in results["links"].items():
-        dense = {"": t_of("dense", results["step_s"][f"dense/{mbps}"]),
-                 "_real": t_of("dense", real.get(f"dense/{mbps}"))}  # fmt: skip
+        dense = {"": t_of("dense", simulated(f"dense/{mbps}")),
+                 "_real": t_of("dense", real["step_s"].get(f"dense/{mbps}"))}  # fmt: skip
         for name, reach in results["steps_to_target"].items():
             key = f"{name}/{mbps}"
             row = {"mbps": int(mbps), "arm": name, "steps": reach["steps"]}
-            for suffix, step_s in (("", results["step_s"][key]), ("_real", real.get(key))):
+            for suffix, step_s in (("", simulated(key)), ("_real", real["step_s"].get(key))):
                 t, base = t_of(name, step_s), dense[suffix]
                 row[f"step_s{suffix}"], row[f"T_s{suffix}"] = step_s, t
                 row[f"T_l4_s{suffix}"] = None if t is None else t / link["time_scale"]
                 row[f"speedup{suffix}"] = None if t is None or base is None else base / t
             if row["step_s_real"] is not None:  # tokens/s simulated over real, - 1
                 row["sim_error_pct"] = 100 * (row["step_s_real"] / row["step_s"] - 1)
+            row["step_s_real_by_buffer"] = {
+                b: results["real_link"][b]["step_s"].get(key) for b in buffers
+            }
             rows.append(row)
     return rows
 
 
 def render_table(results: dict) -> str:
     meta = results["meta"]
-    real = results.get("real_link")
+    buffers = real_buffers(results)
+    real = results["real_link"][buffers[0]] if buffers else None
+    others = buffers[1:]
     lines = [
         f"Reference workload, pipelined over 4 processes (gloo) on links emulating "
         f"`{meta['target']}` on its GPUs at each bandwidth + {meta['latency_ms']:g} ms; "
@@ -332,20 +373,20 @@ def render_table(results: dict) -> str:
         lines += [
             "Step times measured on each emulated link twice, back to back: under the link "
             "simulator and over a real shaped link (4 torchrun nodes in network namespaces, "
-            "every pair over its own link through a userspace relay). The error is the "
-            "simulator's tokens/s against the real link's (positive: optimistic).",
+            "every pair over its own link through a userspace relay), its drop-tail buffer "
+            f"{BUFFER_WORDS[buffers[0]]}. The error is the simulator's tokens/s against the "
+            "real link's (positive: optimistic); dropped: the relay's drops during the real run.",
             "",
-            "| target link | emulated link | arm | steps to target | step simulated | step real "
-            "| simulator error | T simulated | T real | T real (L4 equiv.) | T(dense) / T real "
-            "| dropped |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        head = ["target link", "emulated link", "arm", "steps to target", "step simulated",
+                "step real", "simulator error",
+                *(f"step real, buffer {BUFFER_WORDS[b]}" for b in others),
+                "T simulated", "T real", "T real (L4 equiv.)", "T(dense) / T real",
+                "dropped"]  # fmt: skip
     else:
-        lines += [
-            "| target link | emulated link | arm | steps to target | step time | T | "
-            "T (L4 equiv.) | T(dense) / T |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
+        head = ["target link", "emulated link", "arm", "steps to target", "step time", "T",
+                "T (L4 equiv.)", "T(dense) / T"]  # fmt: skip
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in t_rows(results):
         key = f"{row['arm']}/{row['mbps']}"
         link = results["links"][str(row["mbps"])]
@@ -358,24 +399,26 @@ def render_table(results: dict) -> str:
         def step(seconds, steady) -> str:
             return "–" if seconds is None else f"{seconds:.2f} s{'' if steady else '*'}"
 
-        sim_step = step(row["step_s"], results.get("steady", {}).get(key, True))
         cells = [f"{row['mbps']} Mbit/s",
                  f"{link['bandwidth_mbps']:.3g} Mbit/s + {link['latency_ms']:.0f} ms",
                  row["arm"], f"{row['steps']:.0f}" if reached else missing]  # fmt: skip
         if real:
             timed_real = row["step_s_real"] is not None
+            sim_steady = real["sim_steady"].get(key, results.get("steady", {}).get(key, True))
             cells += [
-                sim_step,
+                step(row["step_s"], sim_steady),
                 step(row["step_s_real"], real["steady"].get(key, True)),
                 f"{row['sim_error_pct']:+.0f}%" if timed_real else "–",
+                *(step(row["step_s_real_by_buffer"][b],
+                       results["real_link"][b]["steady"].get(key, True)) for b in others),
                 f"{row['T_s']:,.0f} s" if reached else "–",
                 f"{row['T_s_real']:,.0f} s" if reached and timed_real else "–",
                 f"{row['T_l4_s_real']:,.0f} s" if reached and timed_real else "–",
                 f"{row['speedup_real']:.1f}x" if row["speedup_real"] is not None else "–",
                 str(real["dropped"].get(key, "–")),
-            ]
+            ]  # fmt: skip
         else:
-            cells += [sim_step] + (
+            cells += [step(row["step_s"], results.get("steady", {}).get(key, True))] + (
                 [f"{row['T_s']:,.0f} s", f"{row['T_l4_s']:,.0f} s", f"{row['speedup']:.1f}x"]
                 if reached
                 else ["—", "—", "—"]
@@ -383,10 +426,10 @@ def render_table(results: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"`*`: no three consecutive {TIMING_WINDOW}-step windows agreed within 1%; "
               "the median of the last three.", ""]  # fmt: skip
-    if real:
-        same = all(real["losses_equal"].values())
-        lines += [f"Losses over the real link equal the simulated run's bit for bit: "
-                  f"{'yes, every pair' if same else '**no**'}.", ""]  # fmt: skip
+    for b in buffers:
+        same = all(results["real_link"][b]["losses_equal"].values())
+        lines += [f"Losses over the real link (buffer {BUFFER_WORDS[b]}) equal the simulated "
+                  f"run's bit for bit: {'yes, every pair' if same else '**no**'}.", ""]  # fmt: skip
     lines += ["Budgets tried (steps: final validation loss, seed 0):", ""]
     for name, reach in results["steps_to_target"].items():
         tried = ", ".join(f"{b}: {loss:.3f}" for b, loss in reach["budgets"])

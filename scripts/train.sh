@@ -6,7 +6,8 @@
 #   NNODES        number of nodes (default 1); with NNODES>1 also set
 #   NODE_RANK     this node's place, 0..NNODES-1: node n gets global ranks n*NGPU .. n*NGPU+NGPU-1
 #                 and TorchTitan puts pipeline stage s on ranks s*D .. s*D+D-1 (D = world / stages)
-#   MASTER_ADDR, MASTER_PORT  c10d rendezvous endpoint (any node reachable by all; port 29500)
+#   MASTER_ADDR, MASTER_PORT  c10d rendezvous endpoint: node 0's address, reachable by all
+#                 (node 0 hosts the store; port 29500)
 #   LOCAL_ADDR    the address other nodes reach this node by (default on node 0: MASTER_ADDR,
 #                 where the workers' store is announced; elsewhere torch's default, the FQDN)
 #   REGION        this node's region label (default: its host name); a stage whose data-parallel
@@ -14,7 +15,8 @@
 #   LOG_RANK      local ranks whose output is shown (default: the last one, where the loss lives);
 #                 a failed run's last line is the first failing rank's error, shown or not
 #   MAX_RESTARTS  restart the whole job this many times after a worker dies (default 0); with
-#                 [checkpoint] enable = true it resumes from the newest complete checkpoint
+#                 [checkpoint] enable = true it resumes from the newest complete checkpoint (a
+#                 worker's user error ends the run instead: it would recur)
 #   PYTHON        interpreter with protocol_models installed (default: .venv/bin/python)
 set -euo pipefail
 if [ $# -lt 1 ]; then

@@ -3,8 +3,10 @@ the device of every tensor that enters a collective."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +48,7 @@ def test_bf16_mixed_precision_wire(tmp_path, wire):
 
 PROBED_RUNS = {
     "subspace updates": ["--protocol.update_every", "2"],
-    "subspace 8-bit": ["--codec.bits", "8"],
+    "subspace 8-bit, 3 stages": ["--codec.bits", "8"],
     "mapl rvq": ["--protocol.mode", "mapl", "--protocol.rvq_stages", "2",
                  "--protocol.rvq_codebook", "16"],
 }  # fmt: skip
@@ -59,21 +61,43 @@ def test_collectives_get_training_device_tensors(tmp_path, run):
     plugin's collective call sites and checks each collective's tensors (a short pipelined run
     with the link simulator and a log every step, with subspace updates, 8-bit coordinates (the
     packed codes and scales), or MAPL with RVQ: its gradient and codebook exchange and its health
-    metrics)."""
+    metrics). The 3-stage run's middle stage meets the metadata inference's placeholders, which
+    the probe fills with NaN: the leak, measured on real microbatches only, stays finite.
+
+    The subspace-updates run also records every process group's timeout at each step: the init
+    timeout until the first step is done (the pipeline's metadata inference runs the stages in
+    series, each one's cold compile in turn), then the train timeout, for the mesh's groups and
+    the plugin's own alike; its stage 1 sleeps in its first forward for longer than the train
+    timeout, and the run still starts."""
     log = tmp_path / "probe.log"
     env = {
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
                                        os.environ.get("PYTHONPATH", "")]),
         "COLLECTIVE_PROBE_LOG": str(log),
     }  # fmt: skip
+    timeouts = []
+    if run == "subspace updates":
+        timeouts = ["--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "8"]
+        env["COLLECTIVE_PROBE_TIMEOUTS"] = str(tmp_path / "timeouts")
+        env["COLLECTIVE_PROBE_SLOW_FIRST_FORWARD"] = "1:10"
+    stages = 3 if "3 stages" in run else 2
     records = torchrun(
-        2, tmp_path / "run", "--training.steps", "4", "--wan.latency_ms", "1",
-        *PROBED_RUNS[run], env=env,
+        stages, tmp_path / "run", "--training.steps", "4", "--wan.latency_ms", "1",
+        *PROBED_RUNS[run], *timeouts, env=env,
     )  # fmt: skip
     assert not log.exists(), log.read_text()
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    if stages == 3:
+        leaks = [r["subspace/leak"] for r in records]
+        assert all(math.isfinite(v) and v < leak_tolerance(torch.float32) for v in leaks), leaks
     if run == "subspace updates":
         assert records[-1]["subspace/updates"] == 2
+        for rank in (0, 1):
+            steps = [line.split() for line in Path(f"{tmp_path / 'timeouts'}.rank{rank}").read_text().splitlines()]
+            assert [int(s[1]) for s in steps] == [1, 2, 3, 4]
+            assert len(steps[0]) >= 2 + 4  # the world, the pipeline axis, the norm exchange's two
+            assert set(steps[0][2:]) == {"120"}, steps[0]
+            assert all(set(s[2:]) == {"8"} for s in steps[1:]), steps
 
 
 def test_gpu_check_runs_in_cpu_mode():

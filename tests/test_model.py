@@ -101,6 +101,7 @@ def test_chained_stages_equal_the_whole_model(mode, stages):
     parts = [split_stage(whole, s, stages) for s in range(stages)]
     for p in parts:
         p.zero_grad()
+        p.in_microbatch = True  # as the pipeline stage marks a step's microbatches
     wire_inputs, out = [], ids
     for s, part in enumerate(parts):
         if s > 0:

@@ -25,6 +25,8 @@ on a communicator shared with the send to the same peer would wait for ever.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -36,20 +38,23 @@ class NormExchange:
     """One pipeline's exchange of squared gradient norms (module docstring). ``ranks``: the
     global ranks of this rank's pipeline group, stage order; built collectively by them."""
 
-    def __init__(
-        self, ranks: list[int], device: torch.device, meter: WireMeter, link: SimulatedLink | None
-    ):
+    def __init__(self, ranks: list[int], device: torch.device, meter: WireMeter,
+                 link: SimulatedLink | None, timeout: timedelta | None = None):  # fmt: skip
         self.ranks, self.device, self.meter, self.link = ranks, device, meter, link
         if ranks != sorted(ranks):
             raise ValueError(f"pipeline ranks {ranks} are not in stage order")
         self.stage = ranks.index(dist.get_rank())
-        self.to_higher = dist.new_group(ranks, use_local_synchronization=True)
-        self.to_lower = dist.new_group(ranks, use_local_synchronization=True)
+        self.to_higher = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        self.to_lower = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
         self._posted: list[tuple[int, torch.Tensor, dist.Work]] = []
         self._row_width = 0
         self.rows: torch.Tensor | None = None
         """``[stages, width]`` float64: every stage's metrics row, from the last exchange that
         carried rows (``post(row_width > 0)``); None otherwise."""
+
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        return [self.to_higher, self.to_lower]
 
     def _group(self, sender: int, receiver: int) -> dist.ProcessGroup:
         return self.to_higher if receiver > sender else self.to_lower

@@ -216,7 +216,11 @@ class WirePipelineStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self._consume("fwd", fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self.submod.in_microbatch = True  # a real microbatch: its leak is measured
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self.submod.in_microbatch = False
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
         self._consume("bwd", bwd_chunk_id)

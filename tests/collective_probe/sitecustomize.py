@@ -13,6 +13,11 @@ With ``$COLLECTIVE_PROBE_COUNT`` set, every collective (point-to-point calls exc
 appended to ``$COLLECTIVE_PROBE_COUNT.rank<r>`` (one file per rank) as ``<name> <group size>``,
 every training step begins with ``step <n>``, and a stage posting the next step's forward
 receives early writes ``post_next_forward``: what ``test_transport.py`` counts per step.
+
+The pipeline's metadata-inference placeholders are filled with NaN (what uninitialised GPU
+memory may hold), so a metric measured on them instead of real microbatches reads NaN. With
+``$COLLECTIVE_PROBE_TIMEOUTS`` every group's timeout is recorded as each step starts; with
+``$COLLECTIVE_PROBE_SLOW_FIRST_FORWARD`` one rank's first forward sleeps.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,7 @@ import torch.distributed as dist
 import protocol_models.grassmann
 import protocol_models.mapl_sync
 import protocol_models.metrics
+import protocol_models.model
 import protocol_models.optimizers
 import protocol_models.trainer
 import protocol_models.wire.norm_exchange
@@ -93,9 +100,25 @@ def _counted_steps(train_step):
     @functools.wraps(train_step)
     def run(self, *args, **kwargs):
         _count(f"step {self.step}")
+        _record_timeouts(self)
         return train_step(self, *args, **kwargs)
 
     return run
+
+
+def _record_timeouts(trainer) -> None:
+    """With ``$COLLECTIVE_PROBE_TIMEOUTS``: one line per step, ``step <n> <seconds> ...``, the
+    timeout every group of the run has as the step starts (the world, each mesh axis', the
+    plugin's own), appended to ``$COLLECTIVE_PROBE_TIMEOUTS.rank<r>``."""
+    path = os.environ.get("COLLECTIVE_PROBE_TIMEOUTS")
+    if not path:
+        return
+    meshes = trainer.parallel_dims.get_all_one_dimensional_meshes()
+    groups = [dist.group.WORLD, *(m.get_group() for m in meshes.values()),
+              *trainer.plugin_groups()]  # fmt: skip
+    seconds = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+    with open(f"{path}.rank{os.environ.get('RANK', '0')}", "a") as f:
+        f.write(" ".join(["step", str(trainer.step), *(f"{v:g}" for v in seconds)]) + "\n")
 
 
 def _checked(name, collective):
@@ -139,3 +162,45 @@ def _counted_post(self):
 
 
 stage_class.post_next_forward = _counted_post
+
+
+def _nan_placeholders(to_tensor):
+    """The pipeline's metadata inference runs the stages on placeholder inputs made from
+    metadata (``torch.empty``: on a GPU, whatever the memory held); filled with NaN here, so a
+    metric computed on them shows it."""
+
+    @functools.wraps(to_tensor)
+    def run(self, arg):
+        tensor = to_tensor(self, arg)
+        if not isinstance(arg, torch.Tensor) and tensor.is_floating_point():
+            with torch.no_grad():
+                tensor.fill_(float("nan"))
+        return tensor
+
+    return run
+
+
+stage_class._to_tensor = _nan_placeholders(stage_class._to_tensor)
+
+
+def _slow_first_forward(forward):
+    """With ``$COLLECTIVE_PROBE_SLOW_FIRST_FORWARD`` = ``<rank>:<seconds>``: that rank's first
+    forward (the metadata inference's) sleeps that long first, as a cold compile would."""
+    setting = os.environ.get("COLLECTIVE_PROBE_SLOW_FIRST_FORWARD")
+    if not setting:
+        return forward
+    rank, seconds = setting.split(":")
+    slept = []
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        if not slept and os.environ.get("RANK") == rank:
+            slept.append(True)
+            time.sleep(float(seconds))
+        return forward(self, *args, **kwargs)
+
+    return run
+
+
+model_class = protocol_models.model.ProtocolModel
+model_class.forward = _slow_first_forward(model_class.forward)
