@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from math import isnan, nan
 from pathlib import Path
 from typing import Any
 
@@ -371,9 +372,9 @@ class _StageRow:
                 metrics[f"wire/recv_wait_s/{d}/b{b}"] = waits[(d, b)]
         if any(counters["sync"]):
             metrics["wire/sync_bytes"] = sum(counters["sync"])
-        leak = max(r[-1] for r in table)
-        if leak >= 0:
-            metrics["subspace/leak"] = leak
+        leaks = [r[-1] for r in table if not r[-1] < 0]  # -1: no boundary measured; NaN kept
+        if leaks:
+            metrics["subspace/leak"] = nan if any(isnan(v) for v in leaks) else max(leaks)
         for s, r in enumerate(table):
             metrics[f"memory/peak_gib/s{s}"] = r[2] / 1024**3
         if has_link:
