@@ -104,10 +104,12 @@ def test_production_configs_start_once_the_tokenizer_is_fetched(
 ):
     """Before the fetch: one line naming the command that fetches the config's tokenizer. After
     it (a tokenizer.json in hf_assets_path, here the bundled one standing in): the check passes.
-    (On this CPU machine the check runs with hardware.device = 'cpu'; the Hub is not asked.)"""
+    (On this CPU machine the check runs with hardware.device = 'cpu'; the Hub is not asked, and
+    wandb logs offline: online it would want a key, test_cluster_start.py.)"""
     from protocol_models.config import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_MODE", "offline")
     assets = tmp_path / "assets"
     args = ["--toml", str(REPO / "configs" / f"{toml}.toml"), "--hardware.device", "cpu",
             "--hf_assets_path", str(assets), "--dump_folder", str(tmp_path / "run")]  # fmt: skip
