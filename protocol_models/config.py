@@ -26,11 +26,11 @@ import os
 import sys
 from typing import Any
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from protocol_models.checkpointing import ProtocolCheckpointManager
 from protocol_models.errors import ConfigError, require
 from protocol_models.layout import stage_layer_ranges
 from protocol_models.optimizers import OPTIMIZERS, OptimizerSettings
@@ -63,7 +63,7 @@ def default_config() -> ProtocolTrainer.Config:
         parallelism=ParallelismConfig(
             pipeline_parallel_schedule="GPipe", spmd_backend="partial_dtensor"
         ),
-        checkpoint=CheckpointManager.Config(enable=False, last_save_model_only=False),
+        checkpoint=ProtocolCheckpointManager.Config(enable=False, last_save_model_only=False),
         activation_checkpoint=None,
     )
 

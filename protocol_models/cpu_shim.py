@@ -73,6 +73,18 @@ def install() -> str:
     return "cpu"
 
 
+def gloo_fsdp_reductions(model: torch.nn.Module) -> None:
+    """On CPU, FSDP's gradient reduce-scatters run on gloo, which has no ``PREMUL_SUM``; FSDP uses
+    it for a gradient divide factor (TorchTitan sets one) in fp32/bf16. Every FSDP module of
+    ``model`` then reduces with ``SUM`` and divides before and after (FSDP's own fp16 form: the
+    same mean). A GPU run (NCCL) keeps FSDP's default."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def check_device(requested: str, bound: str) -> None:
     """Refuse a run whose ``[hardware] device`` (``requested``) is not the device TorchTitan
     was bound to at import (``bound``), with one line naming the cause and the fix. A CPU config

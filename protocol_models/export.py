@@ -35,7 +35,7 @@ import torch
 
 from protocol_models import cli, run_record
 from protocol_models.boundary import BOUNDARIES
-from protocol_models.checkpoint_files import CheckpointTensors, locate
+from protocol_models.checkpoint_files import CheckpointTensors, describe, locate
 from protocol_models.errors import UserError
 from protocol_models.fold import check_layout, dense_groups
 from protocol_models.hf_llama import (
@@ -71,13 +71,14 @@ def check_out(out: Path) -> None:
 
 
 def export(
-    step_dir: Path,
+    step_dirs: Path | list[Path],
     record: RunRecord,
     out: Path,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> list[str]:
-    """Write the dense HF LLaMA of ``step_dir`` into ``out`` (absent or empty); return the
+    """Write the dense HF LLaMA of one step's checkpoint folders (``checkpoint_files.locate``)
+    into ``out`` (absent or empty); return the
     names of the weight files. ``dtype`` None: the checkpoint's (its LM head's)."""
     check_out(out)
     model_config = record.model_config()
@@ -86,8 +87,8 @@ def export(
             f"protocol.mode = {model_config.mode!r}: its boundary layers are not part of a LLaMA, "
             "so the model has no Hugging Face form; export takes runs of the other modes"
         )
-    tensors = CheckpointTensors(step_dir)
-    check_layout(model_config, {n: i.shape for n, i in tensors.info.items()}, str(step_dir))
+    tensors = CheckpointTensors(step_dirs)
+    check_layout(model_config, {n: i.shape for n, i in tensors.info.items()}, tensors.where)
     dtype = dtype or tensors.info["lm_head.weight"].dtype
     new_parents = [p for p in reversed(out.absolute().parents) if not p.exists()]
     staging = None
@@ -134,10 +135,10 @@ def _umask() -> int:
 def _main(args: argparse.Namespace) -> None:
     out = Path(args.out)
     check_out(out)
-    folder, step_dir = locate(Path(args.checkpoint), args.step)
+    folder, step_dirs = locate(Path(args.checkpoint), args.step)
     record = load_record(folder, args.toml, args.overrides)
-    files = export(step_dir, record, out, DTYPES.get(args.dtype), args.max_shard_bytes)
-    print(f"exported {step_dir} ({record.protocol.mode}) to {out}: {', '.join(files)}")
+    files = export(step_dirs, record, out, DTYPES.get(args.dtype), args.max_shard_bytes)
+    print(f"exported {describe(step_dirs)} ({record.protocol.mode}) to {out}: {', '.join(files)}")
 
 
 def parser() -> cli.Parser:

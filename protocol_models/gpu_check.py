@@ -2,11 +2,15 @@
 
     bash scripts/gpu_check.sh CONFIG.toml [--steps N] [--section.key value ...]
 
-It trains ``N`` steps (default 8) of the configured layout -- real dtype, real schedule, real
-data, the configured pipeline and data-parallel degrees, with checkpoints, validation and wandb
-off (the config as the real run reads it is checked first: a wandb key for online logging, the
-data, the tokenizer) -- through ``scripts/train.sh`` (so ``NNODES``/``NODE_RANK``/``MASTER_ADDR``
-work as for a real launch), then prints what decides whether the real run will work:
+It first prints this node's "before the first cluster run" checklist (``protocol_models.checklist``:
+driver, flex toolchain, wandb key, checkpoints, interfaces, sysctls) and stops on a failed item.
+Then it trains ``N`` steps (default 8) of the configured layout -- real dtype, real schedule, real
+data, the configured pipeline and data-parallel degrees, with saving, validation and wandb off
+(the config as the real run reads it is checked first: a wandb key for online logging, the data,
+the tokenizer; on several nodes with one shared checkpoint folder, the check run's start-up
+verifies that every node sees it) -- through ``scripts/train.sh`` (so
+``NNODES``/``NODE_RANK``/``MASTER_ADDR`` work as for a real launch), then prints what decides
+whether the real run will work:
 
 * per pipeline stage, the peak device memory next to the planner's estimate and the card's
   usable memory;
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,6 +39,7 @@ from pathlib import Path
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from protocol_models.boundary import BOUNDARIES
+from protocol_models.checklist import render, rows
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
 from protocol_models.metrics import read_jsonl
@@ -43,17 +49,33 @@ GIB = 1024**3
 REPO = Path(__file__).resolve().parents[1]
 
 
-def check_overrides(steps: int, dump_folder: str) -> list[str]:
-    """What the check changes in the user's config: length and side effects, nothing else."""
+def check_overrides(steps: int, dump_folder: str, shared_probe: str | None = None) -> list[str]:
+    """What the check changes in the user's config: length and side effects, nothing else.
+    With ``shared_probe`` (a folder inside the real run's checkpoint folder), the checkpointer
+    starts there load-only: its start-up check that every node sees the folder runs, nothing is
+    saved."""
+    checkpoint = ["--checkpoint.enable", "false"]
+    if shared_probe:
+        checkpoint = ["--checkpoint.enable", "true", "--checkpoint.load_only", "true",
+                      "--checkpoint.folder", shared_probe]  # fmt: skip
     return [
         "--training.steps", str(steps),
         "--metrics.log_freq", "1",
-        "--checkpoint.enable", "false",
+        *checkpoint,
         "--validator.enable", "false",
         "--metrics.enable_wandb", "false",
         "--metrics.enable_tensorboard", "false",
         "--dump_folder", dump_folder,
     ]  # fmt: skip
+
+
+def shared_probe_folder(config) -> str | None:
+    """Where the check run verifies that the real run's checkpoint folder is shared (None: it
+    need not be -- checkpoints off, per node, or one node)."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.per_node or int(os.environ.get("NNODES", "1")) == 1:
+        return None
+    return os.path.abspath(os.path.join(config.dump_folder, ckpt.folder, ".gpu_check"))
 
 
 def summarize(config, records: list[dict]) -> tuple[str, bool]:
@@ -129,17 +151,28 @@ def main(argv: list[str] | None = None) -> int:
     dump = tempfile.mkdtemp(prefix="gpu_check_")
     try:
         # the run's own config first: what the check run turns off (wandb, checkpoints) is
-        # checked as the real run will meet it
+        # checked as the real run will meet it, and this node's checklist printed
+        user_config = load_config(toml_path, overrides, check_environment=False)
+        checklist = rows(user_config)
+        print(render(checklist))
         load_config(toml_path, overrides)
-        overrides = [*overrides, *check_overrides(max(known.steps, 3), dump)]
+        failed = next((r for r in checklist if r.verdict == "FAIL"), None)
+        if failed:
+            raise UserError(failed.detail)
+        probe = shared_probe_folder(user_config)
+        overrides = [*overrides, *check_overrides(max(known.steps, 3), dump, probe)]
         config = load_config(toml_path, overrides)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run = subprocess.run(
-        ["bash", str(REPO / "scripts" / "train.sh"), str(Path(toml_path).resolve()), *overrides],
-        cwd=REPO, env={**os.environ, "PYTHON": sys.executable},
-    )  # fmt: skip
+    try:
+        run = subprocess.run(
+            ["bash", str(REPO / "scripts" / "train.sh"), str(Path(toml_path).resolve()),
+             *overrides], cwd=REPO, env={**os.environ, "PYTHON": sys.executable},
+        )  # fmt: skip
+    finally:
+        if probe:
+            shutil.rmtree(probe, ignore_errors=True)
     if run.returncode != 0:
         print(
             f"error: the check run failed (exit code {run.returncode}); its messages are above",

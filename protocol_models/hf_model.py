@@ -35,11 +35,11 @@ def model_folder(args: argparse.Namespace) -> Iterator[Path]:
             raise UserError(f"--hf {folder}: no config.json; pass a protocol_models.export folder")
         yield folder
         return
-    checkpoint_folder, step_dir = locate(Path(args.checkpoint), args.step)
+    checkpoint_folder, step_dirs = locate(Path(args.checkpoint), args.step)
     record = load_record(checkpoint_folder, args.toml, args.overrides)
     with tempfile.TemporaryDirectory(prefix="protocol-models-export-") as tmp:
         folder = Path(tmp) / "model"
-        export(step_dir, record, folder)
+        export(step_dirs, record, folder)
         yield folder
 
 

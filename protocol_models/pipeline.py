@@ -22,6 +22,8 @@ from torch.distributed.pipelining.microbatch import sum_reducer
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torchtitan.models.llama3 import parallelize_llama
 
+from protocol_models import DEVICE_TYPE
+from protocol_models.cpu_shim import gloo_fsdp_reductions
 from protocol_models.layout import stage_layer_ranges
 from protocol_models.wire import Wire
 from protocol_models.wire.codecs import install_in_graph
@@ -114,6 +116,8 @@ def parallelize_protocol(model: nn.Module, *, wire: Wire, n_stages: int, microba
     """llama3's parallelize, then ``wire.codec`` in-graph at the ``n_stages`` layout's
     boundaries inside ``model``, ``microbatch`` sequences at a time (module docstring)."""
     model = parallelize_llama(model, **parallelize_kwargs)
+    if DEVICE_TYPE == "cpu":
+        gloo_fsdp_reductions(model)
     if wire.codec is not None:
         install_in_graph(model, wire.codec, n_stages, microbatch)
     return model

@@ -2,7 +2,8 @@
 
 The data (every part the run reads opens and holds text), the tokenizer (present, fits
 ``model.vocab_size``, names an EOS token), a writable dump folder, a wandb API key when wandb
-logs online and, when the run would resume, a checkpoint of this model's shapes. Each failure
+logs online, the C compiler and Python headers flex attention compiles with and, when the run
+would resume, a checkpoint of this model's shapes. Each failure
 is one ``ConfigError`` line.
 """
 
@@ -34,6 +35,8 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     if not (pending and data.is_bundled_path(config.hf_assets_path)):
         _check_tokenizer(config)
     _check_writable(config.dump_folder)
+    if config.model.attention == "flex":
+        check_flex_toolchain()
     if config.metrics.enable_wandb:
         check_wandb_key()
     _check_resumable(config)
@@ -113,6 +116,35 @@ def check_wandb_key(env=os.environ) -> None:
     )
 
 
+def check_flex_toolchain(env=os.environ, include: str | None = None) -> None:
+    """Flex attention is compiled (TorchTitan: ``torch.compile`` at max-autotune, the block-mask
+    builder too), and Triton builds each kernel's launcher as a C extension: it needs a C
+    compiler (``$CC``, else ``gcc`` or ``clang`` on ``PATH``, as Triton looks) and Python's
+    headers (``Python.h`` in ``include``, default: this interpreter's). Without them the first
+    forward fails in every worker after the GPUs were allocated."""
+    import shutil
+    import sysconfig
+
+    path = env.get("PATH")
+    if env.get("CC"):
+        found, missing = shutil.which(env["CC"], path=path), f"CC = {env['CC']!r} is not a program"
+    else:
+        found = shutil.which("gcc", path=path) or shutil.which("clang", path=path)
+        missing = "no CC, no gcc or clang on PATH"
+    require(
+        found,
+        'model.attention = "flex" is compiled, and Triton builds its kernels\' launchers with a '
+        f"C compiler: {missing}; install gcc (e.g. apt install build-essential) or set CC",
+    )
+    include = include or sysconfig.get_paths()["include"]
+    require(
+        os.path.isfile(os.path.join(include, "Python.h")),
+        'model.attention = "flex" is compiled, and Triton builds its kernels\' launchers '
+        f"against Python's headers: no Python.h in {include}; install them (e.g. apt install "
+        f"python{sysconfig.get_python_version()}-dev)",
+    )
+
+
 def _check_writable(dump_folder: str) -> None:
     """The nearest existing ancestor of ``dump_folder`` must be a directory we can write in
     (probed with a temporary file that is removed at once; nothing is left behind)."""
@@ -131,7 +163,8 @@ def _check_writable(dump_folder: str) -> None:
 
 
 def _check_resumable(config: ProtocolTrainer.Config) -> None:
-    """A checkpoint the run would load must hold this config's parameter shapes."""
+    """A checkpoint the run would load must hold this config's parameter shapes (with
+    ``per_node``, those of the parameters this node's checkpoint holds)."""
     checkpoint = _checkpoint_to_load(config)
     if checkpoint is None:
         return
@@ -144,6 +177,8 @@ def _check_resumable(config: ProtocolTrainer.Config) -> None:
         model = build_model_config(config.model, config.protocol, config.layout_stages).build()
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     for name, tensor in model.state_dict().items():
+        if config.checkpoint.per_node and name not in saved:
+            continue  # a node's checkpoint holds the stages on this node only
         require(
             name in saved,
             f"checkpoint {checkpoint} does not hold parameter {name} of this model "
@@ -161,18 +196,20 @@ def _check_resumable(config: ProtocolTrainer.Config) -> None:
 
 def _checkpoint_to_load(config: ProtocolTrainer.Config) -> Path | None:
     """What TorchTitan's checkpointer would load at start: the newest complete ``step-N`` in
-    the run's checkpoint folder, else ``checkpoint.initial_load_path``."""
+    the run's checkpoint folder (with ``per_node``, this node's), else
+    ``checkpoint.initial_load_path``."""
     ckpt = config.checkpoint
     if not ckpt.enable or ckpt.create_seed_checkpoint:
         return None
+    from protocol_models.checkpointing import complete_step_numbers, node_folder_name
+
     folder = Path(config.dump_folder) / ckpt.folder
-    steps = sorted(
-        (int(p.name.split("-")[1]), p)
-        for p in folder.glob("step-*")
-        if p.name.split("-")[1].isdigit() and (p / ".metadata").is_file()
-    )
+    if ckpt.per_node:  # this node's own folder (scripts/train.sh: NODE_RANK of NNODES)
+        node = int(os.environ.get("NODE_RANK", "0"))
+        folder = folder / node_folder_name(node, int(os.environ.get("NNODES", "1")))
+    steps = complete_step_numbers(str(folder))
     if steps:
-        return steps[-1][1]
+        return folder / f"step-{steps[-1]}"
     if ckpt.initial_load_path and (Path(ckpt.initial_load_path) / ".metadata").is_file():
         return Path(ckpt.initial_load_path)
     return None

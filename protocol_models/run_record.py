@@ -2,10 +2,10 @@
 
 A checkpoint holds the trained tensors, not what they are: whether ``wo`` ``[k, in]`` is a
 factor ``A`` of ``W = U A``, which seed regenerates ``F``, which tokenizer the ids come from.
-Rank 0 writes this record into ``<dump_folder>/<checkpoint.folder>/run.json`` at start-up (a
-resumed run rewrites it); ``python -m protocol_models.export`` reads it. ``layout`` names the
-plugin's checkpoint layout (parameter names and shapes for a given record): it is bumped whenever
-that changes, and a checkpoint of another layout is refused instead of being misread.
+Every node's first rank writes this record into ``<dump_folder>/<checkpoint.folder>/run.json`` at
+start-up (a resumed run rewrites it); ``python -m protocol_models.export`` reads it. ``layout``
+names the plugin's checkpoint layout (parameter names and shapes for a given record): it is bumped
+whenever that changes, and a checkpoint of another layout is refused instead of being misread.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,14 +107,16 @@ def _absolute(value: str | list[str]) -> str | list[str]:
 
 
 def write(config) -> None:
-    """Rank 0 writes ``run.json`` into the run's checkpoint folder (with checkpointing on).
+    """Every node's first rank writes ``run.json`` into the run's checkpoint folder (with
+    checkpointing on), so a node with only its own disk has it too.
 
-    Written to a temporary name and renamed, so a reader never sees half a record."""
-    if not config.checkpoint.enable or int(os.environ.get("RANK", "0")) != 0:
+    Written to a temporary name of this host and process and renamed, so a reader never sees
+    half a record, also where the nodes share the folder."""
+    if not config.checkpoint.enable or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
     folder = Path(config.dump_folder) / config.checkpoint.folder
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{RECORD_NAME}.tmp"
+    tmp = folder / f".{RECORD_NAME}.{socket.gethostname()}.{os.getpid()}.tmp"
     tmp.write_text(RunRecord.from_config(config).to_json())
     os.replace(tmp, folder / RECORD_NAME)
 

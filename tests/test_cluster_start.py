@@ -1,6 +1,7 @@
 """What would stop the first multi-node GPU run at start-up, caught on CPU: the driver floor and
-the installer's CUDA builds, a wandb run without a key, a Hub corpus a node cannot reach, the
-rendezvous store behind a VPN/NAT address, NCCL's interface choice next to a VPN."""
+the installer's CUDA builds, a wandb run without a key, a Hub corpus a node cannot reach, flex
+attention without its compiler toolchain, the rendezvous store behind a VPN/NAT address, NCCL's
+interface choice next to a VPN."""
 
 from __future__ import annotations
 
@@ -163,6 +164,29 @@ def test_a_hub_corpus_this_node_cannot_reach_is_refused_before_any_worker(tmp_pa
     assert "dataloader.hf_dataset = 'allenai/c4': the Hugging Face Hub is unreachable" in line
     assert "HF_ENDPOINT" in line and "dataloader.files" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_flex_attention_without_its_toolchain_is_refused_before_any_worker(tmp_path):
+    """Flex attention is compiled and Triton builds its launchers with a C compiler against
+    ``Python.h``: a missing compiler (``CC`` naming no program; no gcc or clang on ``PATH``) or
+    missing headers is one line, not every worker failing in its first forward."""
+    from protocol_models.preflight import check_flex_toolchain
+
+    args = ["--dump_folder", str(tmp_path / "run"), "--model.attention", "flex"]
+    line = _refusal(args, {"CC": "no-such-cc"})
+    assert "model.attention = \"flex\" is compiled" in line
+    assert "CC = 'no-such-cc' is not a program" in line and "install gcc" in line
+    assert not (tmp_path / "run").exists()
+    check = subprocess.run(["bash", "scripts/gpu_check.sh", str(TINY), *args], cwd=REPO,
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "CC": "no-such-cc"})  # fmt: skip
+    assert check.returncode == 2 and check.stderr.strip().splitlines() == [line]
+    assert "| toolchain | FAIL | model.attention = \"flex\" is compiled" in check.stdout
+    with pytest.raises(ValueError, match="no CC, no gcc or clang on PATH"):
+        check_flex_toolchain({"PATH": str(tmp_path)})
+    with pytest.raises(ValueError, match=f"no Python.h in {tmp_path}; install them"):
+        check_flex_toolchain(os.environ, include=str(tmp_path))
+    check_flex_toolchain(os.environ)  # this machine has both
 
 
 def test_node_zero_hosts_the_rendezvous_store_when_no_host_name_matches(monkeypatch):

@@ -93,21 +93,92 @@ def test_collectives_get_training_device_tensors(tmp_path, run):
     if run == "subspace updates":
         assert records[-1]["subspace/updates"] == 2
         for rank in (0, 1):
-            steps = [line.split() for line in Path(f"{tmp_path / 'timeouts'}.rank{rank}").read_text().splitlines()]
-            assert [int(s[1]) for s in steps] == [1, 2, 3, 4]
-            assert len(steps[0]) >= 2 + 4  # the world, the pipeline axis, the norm exchange's two
-            assert set(steps[0][2:]) == {"120"}, steps[0]
-            assert all(set(s[2:]) == {"8"} for s in steps[1:]), steps
+            steps = _group_timeouts(tmp_path / "timeouts", rank)
+            assert sorted(steps) == [1, 2, 3, 4]
+            assert len(steps[1]) >= 4  # the world, the pipeline axis, the norm exchange's two
+            assert {t for t, _ in steps[1]} == {120}, steps[1]
+            assert all({t for t, _ in steps[s]} == {8} for s in (2, 3, 4)), steps
 
 
-def test_gpu_check_runs_in_cpu_mode():
-    """The first thing a user runs on a new cluster, in CPU mode: a few real steps of the
-    layout, then per-stage peak memory next to the planner, bytes per coordinate, throughput."""
+def _group_timeouts(path: Path, rank: int) -> dict[int, list[tuple[int, int]]]:
+    """``step -> [(timeout seconds, group size), ...]`` of every group of ``rank`` as the step
+    started (the collective probe's ``$COLLECTIVE_PROBE_TIMEOUTS`` record)."""
+    steps = {}
+    for line in Path(f"{path}.rank{rank}").read_text().splitlines():
+        _, step, *groups = line.split()
+        steps[int(step)] = [tuple(int(float(v)) for v in g.split(":")) for g in groups]
+    return steps
+
+
+PP_FSDP = ["--parallelism.pipeline_parallel_degree", "2", "--codec.bits", "8",
+           "--model.loss_chunk_tokens", "32", "--training.mixed_precision_param", "bfloat16",
+           "--activation_checkpoint", "full", "--training.steps", "4"]  # fmt: skip
+"""The 8B config's layout scaled down to 4 processes: 2 pipeline stages, each over 2 ranks."""
+
+
+def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpoint):
+    """The 8B layout scaled down: 4 processes, 2 pipeline stages x 2-way FSDP (each stage's
+    parameters sharded over its 2 ranks), 8-bit wire, chunked loss, bf16 mixed precision, full
+    activation checkpointing, under the collective probe. From one seed checkpoint, every step's
+    loss equals, to bf16 precision, the same layout's with each stage's parameters replicated on
+    its 2 ranks instead of sharded (the same ranks read the same batches), and so does the
+    gradient norm (FSDP on gloo reduces with SUM and divides: ``cpu_shim.gloo_fsdp_reductions``). Every group -- the FSDP axis's
+    2-rank groups and the pipeline's, not only the world -- keeps the init timeout through step
+    1, the train timeout after."""
+    log = tmp_path / "probe.log"
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
+                                       os.environ.get("PYTHONPATH", "")]),
+        "COLLECTIVE_PROBE_LOG": str(log),
+        "COLLECTIVE_PROBE_TIMEOUTS": str(tmp_path / "timeouts"),
+    }  # fmt: skip
+    timeouts = ["--comm.init_timeout_seconds", "300", "--comm.train_timeout_seconds", "60"]
+    seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_checkpoint(2))]
+    sharded, output = torchrun(
+        4, tmp_path / "fsdp", *PP_FSDP, *seed, "--parallelism.data_parallel_shard_degree", "2",
+        *timeouts, env=env, return_output=True,
+    )  # fmt: skip
+    assert not log.exists(), log.read_text()
+    assert "boundary 0 carries bfloat16" in output
+    replicated = torchrun(
+        4, tmp_path / "replicated", *PP_FSDP, *seed, "--parallelism.data_parallel_shard_degree", "1",
+        "--parallelism.data_parallel_replicate_degree", "2",
+    )  # fmt: skip
+    assert [r["step"] for r in sharded] == [r["step"] for r in replicated] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        pairs = [(a[key], b[key]) for a, b in zip(sharded, replicated, strict=True)]
+        assert all(abs(a - b) <= 2**-8 * abs(b) for a, b in pairs), (key, pairs)
+    assert sharded[-1]["loss"] < sharded[0]["loss"]
+    for rank in range(4):
+        steps = _group_timeouts(tmp_path / "timeouts", rank)
+        assert sorted(steps) == [1, 2, 3, 4]
+        assert {size for _, size in steps[1]} >= {2, 4}, steps[1]  # mesh axes and the world
+        assert {t for t, _ in steps[1]} == {300}, steps[1]
+        assert all({t for t, _ in steps[s]} == {60} for s in (2, 3, 4)), steps
+
+
+def test_gpu_check_runs_in_cpu_mode(tmp_path):
+    """The first thing a user runs on a new cluster, in CPU mode: this node's "before the first
+    cluster run" checklist as a table, a few real steps of the layout, then per-stage peak
+    memory next to the planner, bytes per coordinate, throughput. The check saves nothing into
+    the run's checkpoint folder."""
+    dump = tmp_path / "run"
     result = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", str(TINY), "--steps", "3"],
+        ["bash", "scripts/gpu_check.sh", str(TINY), "--steps", "3", "--dump_folder", str(dump),
+         "--checkpoint.enable", "true", "--checkpoint.per_node", "true",
+         "--transport.link_mbps", "80", "--transport.link_latency_ms", "50"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in result.stdout.splitlines()
+            if line.startswith("| ") and line.count(" | ") == 2}  # fmt: skip
+    assert rows.pop("before the first cluster run") == "verdict", rows
+    assert {k: v for k, v in rows.items() if k != "sysctls"} == {
+        "driver": "n/a", "toolchain": "n/a", "wandb key": "n/a", "checkpoints": "ok",
+        "interfaces": "n/a",
+    }, rows  # fmt: skip
+    assert rows["sysctls"] in ("ok", "warn"), rows  # this host's TCP settings decide
+    assert not list(dump.glob("checkpoint/**/step-*"))
     report = result.stdout[result.stdout.index("gpu check:") :]
     assert "| 0 |" in report and "| 1 |" in report
     assert "4 B per coordinate at boundary 0" in report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,11 +17,12 @@ from protocol_models.trainer import RankPlace, describe_placement, placement_pro
 
 
 def _two_nodes(
-    logs: Path, args: list[str], regions: dict[int, str], env=None
+    logs: Path, args: list[str], regions: dict[int, str], env=None, node_args=None
 ) -> dict[int, tuple[int, str]]:
     """Start ``scripts/train.sh`` as nodes 1 and 0 of a 2-node job on this machine (c10d
-    rendezvous on localhost, one process each), node 1 first, with ``REGION`` per node; return
-    node rank -> (exit code, output). The outputs go through files in ``logs``."""
+    rendezvous on localhost, one process each), node 1 first, with ``REGION`` per node and
+    ``node_args[rank]`` after ``args``; return node rank -> (exit code, output). The outputs go
+    through files in ``logs``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -33,12 +35,17 @@ def _two_nodes(
     for rank in (1, 0):
         with open(logs / f"node{rank}.log", "w") as out:
             nodes[rank] = subprocess.Popen(
-                ["bash", "scripts/train.sh", str(TINY), *args], cwd=REPO,
+                ["bash", "scripts/train.sh", str(TINY), *args, *(node_args or {}).get(rank, [])],
+                cwd=REPO,
                 env={**env, "NODE_RANK": str(rank), "REGION": regions[rank]},
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
     codes = {rank: node.wait(timeout=300) for rank, node in nodes.items()}
     return {rank: (codes[rank], (logs / f"node{rank}.log").read_text()) for rank in (0, 1)}
+
+
+def _errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if re.match(r"(\[rank\d\]:)?error: ", line)]
 
 
 def test_two_nodes_train_in_node_rank_order_and_log_to_offline_wandb(tmp_path):
@@ -96,13 +103,87 @@ def test_data_parallel_group_across_regions_is_refused_at_startup(tmp_path):
     nodes = _two_nodes(tmp_path, args, {0: "a", 1: "b"})
     for code, output in nodes.values():
         assert code == 2, output[-3000:]
-        errors = [line for line in output.splitlines() if re.match(r"(\[rank\d\]:)?error: ", line)]
+        errors = _errors(output)
         assert len(errors) == 1, errors
         assert (
             "data-parallel group of pipeline stage 0 spans regions 'a' (ranks 0), 'b' (ranks 1)"
             in errors[0]
         )
         assert "Traceback" not in output and "step:  1" not in output
+
+
+def test_per_node_checkpoints_resume_without_a_shared_filesystem(tmp_path):
+    """Two nodes, each with its own dump folder (no shared disk). In TorchTitan's layout (one
+    checkpoint, ``.metadata`` on rank 0 only) the run stops at start-up on both nodes with one
+    line, instead of node 1 starting over at step 0 on the first resume. With ``[checkpoint]
+    per_node`` each node writes its own; after node 0 lost its step-4 checkpoint, both resume at
+    step 3 from step 2, the latest both have, every loss equal to the uninterrupted run's; the
+    node folders, copied into one checkpoint folder, export; a node whose disk lost every
+    checkpoint stops the relaunch with one line naming what each node sees."""
+    regions = {0: "west", 1: "east"}
+    args = ["--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4"]
+
+    def launch(name, *extra):
+        dumps = {r: tmp_path / name / f"node{r}" for r in (0, 1)}
+        nodes = _two_nodes(tmp_path / name, [*args, *extra], regions,
+                           node_args={r: ["--dump_folder", str(dumps[r])] for r in (0, 1)})  # fmt: skip
+        return dumps, nodes
+
+    def refusal(nodes) -> list[str]:
+        """Each node's one error line (both nodes stop, no traceback)."""
+        lines = []
+        for code, output in nodes.values():
+            assert code == 2 and "Traceback" not in output, output[-3000:]
+            (line,) = _errors(output)
+            lines.append(line)
+        return lines
+
+    _, shared = launch("shared")
+    for line in refusal(shared):
+        assert "is not one folder every node sees (node 0 sees the files of node(s) [0]; " \
+            "node 1 sees the files of node(s) [1])" in line, line
+        assert "[checkpoint] per_node = true" in line, line
+
+    dumps, reference = launch("per_node", "--checkpoint.per_node", "true")
+    assert [reference[r][0] for r in (0, 1)] == [0, 0], reference[1][1][-3000:]
+    folders = {r: dumps[r] / "checkpoint" / f"node-{r}-of-2" for r in (0, 1)}
+    for r in (0, 1):
+        assert sorted(p.name for p in folders[r].iterdir()) == ["step-2", "step-4"]
+        assert not (dumps[1 - r] / "checkpoint" / f"node-{r}-of-2").exists()
+    (metrics,) = [d / "metrics.jsonl" for d in dumps.values() if (d / "metrics.jsonl").exists()]
+    uninterrupted = {r["step"]: r["loss"] for r in read_jsonl(metrics)}
+    shutil.rmtree(folders[0] / "step-4")
+    metrics.unlink()
+    _, resumed = launch("per_node", "--checkpoint.per_node", "true")
+    for code, output in resumed.values():
+        assert code == 0 and "Training starts at step 3" in output, output[-3000:]
+    assert "step 4 is not complete on every rank; resuming from step 2" in resumed[0][1]
+    assert {r["step"]: r["loss"] for r in read_jsonl(metrics)} == {
+        s: uninterrupted[s] for s in (3, 4)
+    }
+
+    gathered = tmp_path / "gathered"
+    shutil.copytree(dumps[0] / "checkpoint", gathered)
+
+    def export(folder, out):
+        return subprocess.run(
+            [sys.executable, "-m", "protocol_models.export", "--checkpoint", str(folder),
+             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    alone = export(gathered, tmp_path / "hf_alone")
+    assert alone.returncode == 2 and alone.stderr.count("\n") == 1, alone.stderr
+    assert "without the folder of node(s) [1]" in alone.stderr, alone.stderr
+    shutil.copytree(folders[1], gathered / "node-1-of-2")
+    done = export(gathered, tmp_path / "hf")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "node-*/step-4" in done.stdout and (tmp_path / "hf" / "config.json").is_file()
+
+    shutil.rmtree(folders[1])  # node 1's disk replaced
+    _, lost = launch("per_node", "--checkpoint.per_node", "true")
+    for line in refusal(lost):
+        assert "a resume: the ranks do not see the same checkpoints" in line, line
+        assert "(node 0 sees steps [2, 4]; node 1 sees none)" in line, line
 
 
 def test_placement_check_and_summary():

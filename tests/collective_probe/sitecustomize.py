@@ -107,18 +107,21 @@ def _counted_steps(train_step):
 
 
 def _record_timeouts(trainer) -> None:
-    """With ``$COLLECTIVE_PROBE_TIMEOUTS``: one line per step, ``step <n> <seconds> ...``, the
-    timeout every group of the run has as the step starts (the world, each mesh axis', the
-    plugin's own), appended to ``$COLLECTIVE_PROBE_TIMEOUTS.rank<r>``."""
+    """With ``$COLLECTIVE_PROBE_TIMEOUTS``: one line per step, ``step <n> <seconds>:<size>
+    ...``, the timeout and size of every group of the run as the step starts (the world, each
+    mesh axis', the plugin's own), appended to ``$COLLECTIVE_PROBE_TIMEOUTS.rank<r>``."""
     path = os.environ.get("COLLECTIVE_PROBE_TIMEOUTS")
     if not path:
         return
     meshes = trainer.parallel_dims.get_all_one_dimensional_meshes()
     groups = [dist.group.WORLD, *(m.get_group() for m in meshes.values()),
               *trainer.plugin_groups()]  # fmt: skip
-    seconds = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+    entries = [
+        f"{g._get_backend(torch.device('cpu')).options._timeout.total_seconds():g}:{g.size()}"
+        for g in groups
+    ]
     with open(f"{path}.rank{os.environ.get('RANK', '0')}", "a") as f:
-        f.write(" ".join(["step", str(trainer.step), *(f"{v:g}" for v in seconds)]) + "\n")
+        f.write(" ".join(["step", str(trainer.step), *entries]) + "\n")
 
 
 def _checked(name, collective):
