@@ -89,7 +89,10 @@ class ProtocolRendezvous(RendezvousHandler):
         if self._user_error_file and os.path.isfile(self._user_error_file):
             with open(self._user_error_file) as f:
                 line = f.read().strip()
-            self._inner.set_closed()
+            try:
+                self._inner.set_closed()
+            except RendezvousError:  # the store's host already ended the run (the same error)
+                pass
             raise RendezvousClosedError(line)
         info = self._inner.next_rendezvous()
         if self._node_rank is None:

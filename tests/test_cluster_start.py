@@ -237,6 +237,27 @@ VPN_NODE = {
 }
 
 
+def test_a_user_error_ends_the_launch_with_its_line_after_the_store_host_left(tmp_path):
+    """Both nodes meet the same user error; the node hosting the rendezvous store may close the
+    rendezvous and exit first. The other launcher's attempt to close it then cannot reach the
+    store, and still ends with the user error's line (not "rendezvous failed")."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+    )
+
+    from protocol_models.launch import ProtocolRendezvous
+
+    class StoreGone:
+        def set_closed(self):
+            raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    (tmp_path / "user_error").write_text("error: pipeline stages disagree on the subspace\n")
+    handler = ProtocolRendezvous(StoreGone(), None, None, str(tmp_path / "user_error"))
+    with pytest.raises(RendezvousClosedError, match="^error: pipeline stages disagree"):
+        handler.next_rendezvous()
+
+
 def test_nccl_interface_choice_next_to_a_vpn_is_warned_about():
     """A node with the region's private eth0 and a WireGuard wg0: the SLURM default
     ``^lo,docker`` (or no setting) gets one warning naming both and the setting; a named
