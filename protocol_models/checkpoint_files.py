@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from protocol_models.checkpointing import complete_step_numbers
 from protocol_models.errors import UserError
 
 _STEP = re.compile(r"step-(\d+)")
@@ -32,14 +33,9 @@ TABLE_SHA256 = "train_state.subspace_table_sha256"
 
 
 def _shared_steps(folder: Path) -> dict[int, Path]:
-    """``step -> step-N folder`` for every complete checkpoint (one with ``.metadata``) in
-    ``folder`` (TorchTitan's rule)."""
-    steps = {}
-    for child in folder.iterdir():
-        match = _STEP.fullmatch(child.name)
-        if match and (child / ".metadata").is_file():
-            steps[int(match.group(1))] = child
-    return steps
+    """``step -> step-N folder`` for every complete checkpoint in ``folder`` (TorchTitan's
+    rule, ``checkpointing.complete_step_numbers``)."""
+    return {step: folder / f"step-{step}" for step in complete_step_numbers(str(folder))}
 
 
 def _node_folders(folder: Path) -> dict[int, Path]:
