@@ -12,6 +12,8 @@ or cannot resume), ``FAIL`` (the run would stop) or ``n/a`` (this config does no
 | wandb key | with wandb logging online: an API key on this node |
 | checkpoints | per node, or one folder every node sees (checked by the check run itself) |
 | interfaces | on several nodes: NCCL's interface choice next to a VPN (``interfaces``) |
+| FSDP network | with FSDP on several nodes: which network FSDP's collectives take next to the |
+|  | pipeline's links between regions (``NCCL_IB_DISABLE`` is process-wide) |
 | sysctls | with ``[transport]`` link stated: TCP buffers and congestion control for it |
 """
 
@@ -111,6 +113,42 @@ def interfaces_row(nodes: int, env: Mapping[str, str]) -> Row:
     return Row("interfaces", "ok", f"NCCL_SOCKET_IFNAME={chosen}, no VPN-like interface beside it")
 
 
+INFINIBAND = "/sys/class/infiniband"
+
+
+def infiniband_devices(root: str = INFINIBAND) -> list[str]:
+    """This node's InfiniBand (and RoCE) devices as the kernel lists them."""
+    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+
+def fsdp_network_row(config, nodes: int, env: Mapping[str, str], devices: list[str]) -> Row:
+    """NCCL picks one network per process, and the pipeline's groups between regions are built
+    by TorchTitan's mesh and torch's pipelining without per-group options, so
+    ``NCCL_IB_DISABLE=1`` (no InfiniBand between regions) also sends FSDP inside a region over
+    TCP: only a cost where the node has InfiniBand devices (``gpu_check`` measures it)."""
+    shards = config.parallelism.data_parallel_shard_degree
+    if shards <= 1 or nodes == 1:
+        return Row("FSDP network", "n/a", f"data_parallel_shard_degree = {shards}, {nodes} node(s)")
+    names = ", ".join(devices)
+    if not devices:
+        return Row("FSDP network", "ok", "no InfiniBand devices: FSDP and the pipeline use TCP")
+    if env.get("NCCL_IB_DISABLE") == "1":
+        return Row(
+            "FSDP network",
+            "warn",
+            f"NCCL_IB_DISABLE=1 next to InfiniBand devices ({names}): FSDP inside the region "
+            "runs over TCP too (gpu_check's FSDP lines say what it costs); unset it only if "
+            "InfiniBand or RoCE also routes between the regions",
+        )
+    return Row(
+        "FSDP network",
+        "warn",
+        f"InfiniBand devices ({names}) and NCCL_IB_DISABLE unset: NCCL also tries InfiniBand "
+        "for the pipeline's groups between regions; set NCCL_IB_DISABLE=1 unless it routes "
+        "there",
+    )
+
+
 def sysctls_row(config) -> Row:
     from protocol_models.wire.transport import tcp_advice
 
@@ -133,6 +171,7 @@ def rows(config, env: Mapping[str, str] = os.environ) -> list[Row]:
         wandb_row(config, env),
         checkpoints_row(config, nodes),
         interfaces_row(nodes, env),
+        fsdp_network_row(config, nodes, env, infiniband_devices()),
         sysctls_row(config),
     ]
 

@@ -3,7 +3,8 @@
     bash scripts/gpu_check.sh CONFIG.toml [--steps N] [--section.key value ...]
 
 It first prints this node's "before the first cluster run" checklist (``protocol_models.checklist``:
-driver, flex toolchain, wandb key, checkpoints, interfaces, sysctls) and stops on a failed item.
+driver, flex toolchain, wandb key, checkpoints, interfaces, FSDP network, sysctls) and stops on a
+failed item.
 Then it trains ``N`` steps (default 8) of the configured layout -- real dtype, real schedule, real
 data, the configured pipeline and data-parallel degrees, with saving, validation and wandb off
 (the config as the real run reads it is checked first: a wandb key for online logging, the data,
@@ -18,6 +19,8 @@ whether the real run will work:
   ``[codec] bits``, the packed codes and the per-token bf16 scale: 1.05 for the production
   configs' k = 40 at 8 bits) and the measured compression;
 * steady tokens/s (the steps after the first two, which include start-up);
+* with FSDP sharding, per stage the time of the step's FSDP all-gathers and reduce-scatter on
+  this cluster's network, measured after the last step (``protocol_models.fsdp_probe``);
 * that point-to-point traffic between stages and the data path worked (the steps completed).
 
 In CPU mode (``[hardware] device = "cpu"``) the same check runs on gloo, peak memory being the
@@ -29,6 +32,7 @@ good, 1 the run failed or a stage's peak exceeds the card's usable memory, 2 a b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +46,9 @@ from protocol_models.boundary import BOUNDARIES
 from protocol_models.checklist import render, rows
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import UserError
+from protocol_models.fsdp_probe import FILE_NAME as FSDP_FILE
+from protocol_models.fsdp_probe import FSDP_PROBE_ENV
+from protocol_models.fsdp_probe import render as render_fsdp
 from protocol_models.metrics import read_jsonl
 from protocol_models.subspace import leak_tolerance
 
@@ -78,8 +85,9 @@ def shared_probe_folder(config) -> str | None:
     return os.path.abspath(os.path.join(config.dump_folder, ckpt.folder, ".gpu_check"))
 
 
-def summarize(config, records: list[dict]) -> tuple[str, bool]:
-    """The report for a finished check run, and whether every stage fits the card."""
+def summarize(config, records: list[dict], fsdp_rows: list[dict]) -> tuple[str, bool]:
+    """The report for a finished check run (``fsdp_rows``: ``fsdp_probe``'s), and whether every
+    stage fits the card."""
     from protocol_models.plan import boundary_width, plan_stages
 
     protocol, training = config.protocol, config.training
@@ -131,6 +139,8 @@ def summarize(config, records: list[dict]) -> tuple[str, bool]:
         f"throughput: {tps:,.0f} tokens/s per process (mean of steps "
         f"{steady[0]['step']}-{steady[-1]['step']})"
     )
+    step_s = sorted(r["time_metrics/end_to_end(s)"] for r in steady)[len(steady) // 2]
+    lines += render_fsdp(fsdp_rows, step_s)
     lines.append(
         f"data: {config.dataloader.describe()} delivered {len(records)} steps x "
         f"{training.local_batch_size} x {training.seq_len} tokens per data-parallel rank"
@@ -168,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = subprocess.run(
             ["bash", str(REPO / "scripts" / "train.sh"), str(Path(toml_path).resolve()),
-             *overrides], cwd=REPO, env={**os.environ, "PYTHON": sys.executable},
+             *overrides], cwd=REPO,
+            env={**os.environ, "PYTHON": sys.executable, FSDP_PROBE_ENV: "1"},
         )  # fmt: skip
     finally:
         if probe:
@@ -183,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if not records:
         print("gpu check: this node holds no metrics rank; see the node of the last stage")
         return 0
-    report, fits = summarize(config, records)
+    fsdp = Path(dump) / FSDP_FILE
+    report, fits = summarize(config, records, json.loads(fsdp.read_text()))
     print(report)
     return 0 if fits else 1
 

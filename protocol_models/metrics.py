@@ -184,7 +184,7 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             dump_folder=dump_folder,
             **kwargs,
         )
-        if dist.get_rank() != _metrics_rank(parallel_dims):
+        if dist.get_rank() != metrics_rank(parallel_dims):
             return base
         container = LoggerContainer()
         container.add_logger(base)
@@ -208,7 +208,7 @@ class ProtocolMetricsProcessor(MetricsProcessor):
     def log_samples(self, step: int, prompts: list[str], continuations: list[str]) -> None:
         """Sampled continuations as text (the metrics rank): ``samples.jsonl``, a wandb table,
         TensorBoard text ``samples/<i>``."""
-        if dist.get_rank() != _metrics_rank(self.parallel_dims):
+        if dist.get_rank() != metrics_rank(self.parallel_dims):
             return
         samples = [
             {"prompt": p, "continuation": c} for p, c in zip(prompts, continuations, strict=True)
@@ -408,7 +408,7 @@ def _peak_memory_bytes() -> float:
     return float(device_module.memory_stats().get("reserved_bytes.all.peak", 0))
 
 
-def _metrics_rank(parallel_dims) -> int:
+def metrics_rank(parallel_dims) -> int:
     """First rank of the last pipeline stage: where TorchTitan logs (and loss lives)."""
     if not parallel_dims.pp_enabled:
         return 0

@@ -16,9 +16,10 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from protocol_models import console
+from protocol_models import console, fsdp_probe
 from protocol_models.config import load_config, split_argv
 from protocol_models.errors import USER_ERROR_FILE_ENV, UserError
+from protocol_models.fsdp_probe import FSDP_PROBE_ENV
 
 
 @record  # a bug's traceback goes to the error file (and is raised on)
@@ -72,6 +73,8 @@ def run(toml_path: str | None, overrides: list[str]) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+            if os.environ.get(FSDP_PROBE_ENV) == "1":  # scripts/gpu_check.sh
+                fsdp_probe.measure(trainer)
     finally:
         trainer.close()
     if torch.distributed.is_initialized():

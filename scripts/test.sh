@@ -3,4 +3,4 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 python -m protocol_models.prepare
 ruff check .
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"

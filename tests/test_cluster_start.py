@@ -1,7 +1,8 @@
 """What would stop the first multi-node GPU run at start-up, caught on CPU: the driver floor and
 the installer's CUDA builds, a wandb run without a key, a Hub corpus a node cannot reach, flex
 attention without its compiler toolchain, the rendezvous store behind a VPN/NAT address, NCCL's
-interface choice next to a VPN."""
+interface choice next to a VPN, and which network FSDP takes next to the links between
+regions."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import pytest
 from conftest import REPO, TINY
 
 from protocol_models import cpu_shim
+from protocol_models.checklist import fsdp_network_row, infiniband_devices
+from protocol_models.config import load_config
 from protocol_models.cuda_driver import driver_clause, node_driver
+from protocol_models.fsdp_probe import render as render_fsdp
 from protocol_models.interfaces import interface_warning
 
 DRIVER_570 = (
@@ -275,3 +279,44 @@ def test_nccl_interface_choice_next_to_a_vpn_is_warned_about():
     assert "subnet holds MASTER_ADDR 10.99.0.1" in line
     assert interface_warning({"NCCL_SOCKET_IFNAME": "wg0"}, VPN_NODE) is None
     assert interface_warning({}, {"lo": VPN_NODE["lo"], "eth0": VPN_NODE["eth0"]}) is None
+
+
+def test_fsdp_network_next_to_the_links_between_regions_is_named(tmp_path):
+    """The 8B layout's FSDP inside a region on two nodes: ``NCCL_IB_DISABLE=1`` next to
+    InfiniBand devices (found in the kernel's device folder) is a warning that FSDP runs over
+    TCP too; InfiniBand without it, a warning that the pipeline's groups would try it between
+    regions; no InfiniBand, ok; one node or no sharding, not applicable."""
+    config = load_config(str(TINY), ["--parallelism.data_parallel_shard_degree", "2"],
+                         check_environment=False)  # fmt: skip
+    (tmp_path / "mlx5_0").mkdir()
+    devices = infiniband_devices(str(tmp_path))
+    assert devices == ["mlx5_0"] and infiniband_devices(str(tmp_path / "none")) == []
+    off = fsdp_network_row(config, 2, {"NCCL_IB_DISABLE": "1"}, devices)
+    assert (off.verdict, off.detail) == ("warn", (
+        "NCCL_IB_DISABLE=1 next to InfiniBand devices (mlx5_0): FSDP inside the region runs "
+        "over TCP too (gpu_check's FSDP lines say what it costs); unset it only if InfiniBand "
+        "or RoCE also routes between the regions"))  # fmt: skip
+    on = fsdp_network_row(config, 2, {}, devices)
+    assert on.verdict == "warn" and "set NCCL_IB_DISABLE=1 unless" in on.detail
+    assert fsdp_network_row(config, 2, {"NCCL_IB_DISABLE": "1"}, []).verdict == "ok"
+    assert fsdp_network_row(config, 1, {}, devices).verdict == "n/a"
+    unsharded = load_config(str(TINY), [], check_environment=False)
+    assert fsdp_network_row(unsharded, 2, {}, devices).verdict == "n/a"
+
+
+def test_fsdp_probe_lines_name_the_network_and_the_share_of_the_step():
+    """``gpu_check``'s FSDP line: all-gathers per step x their time + the reduce-scatter, as a
+    share of the measured step, and the network NCCL was told to use."""
+    row = {"stage": 1, "ranks": 16, "backend": "nccl", "nccl_ib_disable": True,
+           "all_gathers_per_step": 1, "all_gather_bytes": 4_000_000_000, "all_gather_s": 0.5,
+           "reduce_scatter_bytes": 8_000_000_000, "reduce_scatter_s": 1.0}  # fmt: skip
+    assert render_fsdp([row], 3.0) == [
+        "FSDP stage 1 (16 ranks, NCCL over TCP: NCCL_IB_DISABLE=1): 1 x all-gather 4.00 GB in "
+        "500.0 ms + reduce-scatter 8.00 GB in 1000.0 ms = 1.5 s per step when not overlapped "
+        "(50% of the measured 3 s step)"
+    ]
+    always = {**row, "backend": "gloo", "all_gathers_per_step": 8, "all_gather_bytes": 2_500_000}
+    assert render_fsdp([always], 10.0)[0].startswith(
+        "FSDP stage 1 (16 ranks, gloo): 8 x all-gather 2.50 MB in 500.0 ms + reduce-scatter "
+        "8.00 GB in 1000.0 ms = 5 s per step"
+    )

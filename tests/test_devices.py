@@ -3,6 +3,7 @@ the device of every tensor that enters a collective."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -12,6 +13,9 @@ import pytest
 import torch
 from conftest import REPO, TINY, torchrun
 
+from protocol_models.config import load_config
+from protocol_models.fsdp_probe import FSDP_PROBE_ENV
+from protocol_models.plan import plan_stages
 from protocol_models.subspace import leak_tolerance
 
 # tests/tiny.toml: local_batch_size 4, microbatch 1, seq_len 64, d 64, k 4: 256 tokens per step
@@ -124,13 +128,15 @@ def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpo
     its 2 ranks instead of sharded (the same ranks read the same batches), and so does the
     gradient norm (FSDP on gloo reduces with SUM and divides: ``cpu_shim.gloo_fsdp_reductions``). Every group -- the FSDP axis's
     2-rank groups and the pipeline's, not only the world -- keeps the init timeout through step
-    1, the train timeout after."""
+    1, the train timeout after. ``gpu_check``'s FSDP probe (on for the sharded run) times each
+    stage's all-gather of its parameters in bf16 and reduce-scatter of their fp32 gradients."""
     log = tmp_path / "probe.log"
     env = {
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
                                        os.environ.get("PYTHONPATH", "")]),
         "COLLECTIVE_PROBE_LOG": str(log),
         "COLLECTIVE_PROBE_TIMEOUTS": str(tmp_path / "timeouts"),
+        FSDP_PROBE_ENV: "1",
     }  # fmt: skip
     timeouts = ["--comm.init_timeout_seconds", "300", "--comm.train_timeout_seconds", "60"]
     seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_checkpoint(2))]
@@ -155,6 +161,15 @@ def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpo
         assert {size for _, size in steps[1]} >= {2, 4}, steps[1]  # mesh axes and the world
         assert {t for t, _ in steps[1]} == {300}, steps[1]
         assert all({t for t, _ in steps[s]} == {60} for s in (2, 3, 4)), steps
+    config = load_config(str(TINY), [*PP_FSDP, "--parallelism.data_parallel_shard_degree", "2"],
+                         check_environment=False)  # fmt: skip
+    fsdp = json.loads((tmp_path / "fsdp" / "fsdp_probe.json").read_text())
+    assert [(r["stage"], r["ranks"], r["backend"], r["all_gathers_per_step"]) for r in fsdp] == [
+        (0, 2, "gloo", 1), (1, 2, "gloo", 1)]  # fmt: skip
+    for row, plan in zip(fsdp, plan_stages(config), strict=True):
+        assert (row["all_gather_bytes"], row["reduce_scatter_bytes"]) == (2 * plan.params,
+                                                                          4 * plan.params)
+        assert row["all_gather_s"] > 0 and row["reduce_scatter_s"] > 0
 
 
 def test_gpu_check_runs_in_cpu_mode(tmp_path):
@@ -175,7 +190,7 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
     assert rows.pop("before the first cluster run") == "verdict", rows
     assert {k: v for k, v in rows.items() if k != "sysctls"} == {
         "driver": "n/a", "toolchain": "n/a", "wandb key": "n/a", "checkpoints": "ok",
-        "interfaces": "n/a",
+        "interfaces": "n/a", "FSDP network": "n/a",
     }, rows  # fmt: skip
     assert rows["sysctls"] in ("ok", "warn"), rows  # this host's TCP settings decide
     assert not list(dump.glob("checkpoint/**/step-*"))
@@ -185,3 +200,4 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
     assert "measured compression 16.0x" in report
     assert "subspace leak:" in report and "(exact:" in report
     assert "tokens/s per process" in report
+    assert "FSDP stage" not in report  # no sharding: nothing to time

@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import protocol_models.fsdp_probe
 import protocol_models.grassmann
 import protocol_models.mapl_sync
 import protocol_models.metrics
@@ -52,9 +53,10 @@ SCOPED = {
         "get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops",
         "_post_step",
     ),
+    protocol_models.fsdp_probe: ("time_collectives",),
 }  # fmt: skip
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
-               "reduce_scatter_tensor", "send", "recv", "batch_isend_irecv")  # fmt: skip
+               "reduce_scatter_tensor", "reduce_scatter_single", "send", "recv", "batch_isend_irecv")  # fmt: skip
 POINT_TO_POINT = ("send", "recv", "batch_isend_irecv")
 """(``isend``/``irecv`` stay unwrapped: ``P2POp`` checks their identity; the pipeline's
 point-to-point ops are checked in ``batch_isend_irecv``.)"""
