@@ -76,22 +76,29 @@ def time_collectives(group: dist.ProcessGroup, local: int, device: torch.device,
     the gathered size in ``reduce_dtype`` over ``group``: bytes (the gathered tensor's) and
     median seconds."""
     ranks = dist.get_world_size(group)
-    shard = torch.zeros(local, dtype=param_dtype, device=device)
-    gathered = torch.empty(local * ranks, dtype=param_dtype, device=device)
-    grads = torch.zeros(local * ranks, dtype=reduce_dtype, device=device)
-    reduced = torch.empty(local, dtype=reduce_dtype, device=device)
+    gather_bytes, gather_s = _time_one(dist.all_gather_single, local, local * ranks, param_dtype,
+                                       group, device)  # fmt: skip
+    scatter_bytes, scatter_s = _time_one(dist.reduce_scatter_single, local * ranks, local,
+                                         reduce_dtype, group, device)  # fmt: skip
     return {
         "ranks": ranks,
         "backend": str(dist.get_backend(group)),
-        "all_gather_bytes": gathered.numel() * gathered.element_size(),
-        "all_gather_s": _median_seconds(
-            lambda: dist.all_gather_single(gathered, shard, group=group), device
-        ),
-        "reduce_scatter_bytes": grads.numel() * grads.element_size(),
-        "reduce_scatter_s": _median_seconds(
-            lambda: dist.reduce_scatter_single(reduced, grads, group=group), device
-        ),
+        "all_gather_bytes": gather_bytes,
+        "all_gather_s": gather_s,
+        "reduce_scatter_bytes": scatter_bytes,
+        "reduce_scatter_s": scatter_s,
     }
+
+
+def _time_one(collective, inputs: int, outputs: int, dtype: torch.dtype,
+              group: dist.ProcessGroup, device: torch.device) -> tuple[int, float]:  # fmt: skip
+    """``collective(output, input, group=group)`` on buffers of ``outputs``/``inputs`` elements:
+    the larger buffer's bytes and the median seconds. The buffers live only for this call, so
+    the probe never holds more than one collective's (at most a step's unsharded gradients)."""
+    source = torch.zeros(inputs, dtype=dtype, device=device)
+    target = torch.empty(outputs, dtype=dtype, device=device)
+    seconds = _median_seconds(lambda: collective(target, source, group=group), device)
+    return max(inputs, outputs) * source.element_size(), seconds
 
 
 def all_gathers_per_step(config) -> int:
