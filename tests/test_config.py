@@ -69,6 +69,16 @@ def test_override_literals():
         (["--protocol.layers_per_stage", "[4, 'x']"], "expected a list of integers"),
         (["--dataloader.num_workers", "2"], "dataloader.num_workers = 2: must be 0"),
         (
+            ["--training.global_batch_size", "12"],
+            "training.global_batch_size = 12: must be a multiple of training.local_batch_size x "
+            "the data-parallel degree = 8",
+        ),
+        (
+            ["--profiler.enable_profiling", "--profiler.profile_freq", "2"],
+            "profiler.profile_freq = 2: must be >= profiler.profiler_warmup + "
+            "profiler.profiler_active = 4",
+        ),
+        (
             ["--dataloader.validation_split", "validation", "--dataloader.validation_files", ""],
             "names a split of dataloader.hf_dataset",
         ),
