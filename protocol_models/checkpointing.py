@@ -25,17 +25,26 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+from torchtitan.components.checkpoint import (
+    DATALOADER,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    TRAIN_STATE,
+    AsyncMode,
+    CheckpointManager,
+)
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
 from protocol_models.errors import ConfigError, StartupError
+from protocol_models.ranges import AT_LEAST_1, OneOf, Range, Ranges
 
 _STEP = re.compile(r"step-(\d+)")
 
@@ -126,6 +135,13 @@ class ProtocolCheckpointManager(CheckpointManager):
         """Every node writes a self-contained checkpoint of its own ranks to
         ``<folder>/node-<i>-of-<n>/`` (no shared filesystem needed). To export, copy every node's
         ``node-*`` folder into one checkpoint folder."""
+
+        RANGES: ClassVar[Ranges] = {
+            "interval": AT_LEAST_1,
+            "keep_latest_k": Range(low=2, also=(0,), note="0 = keep every checkpoint"),
+            "load_step": Range(low=0, also=(-1,), note="-1 = the latest"),
+            "exclude_from_loading": OneOf((OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)),
+        }
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)

@@ -8,8 +8,10 @@ Unknown keys, wrong types and impossible values raise ``ConfigError`` with one l
 and what is allowed -- before any worker process starts.
 
 Three layers: ``protocol_models.toml_tables`` reads the TOML (``base`` files, overrides) and assigns
-it with type coercion; each settings dataclass checks its own table (``__post_init__``, re-run on
-the assembled config); ``validate`` below checks what needs several tables at once, and
+it with type coercion; each table's numeric and enumerated keys are checked against their declared
+ranges (``protocol_models.ranges``; TorchTitan's tables: ``protocol_models.torchtitan_ranges``)
+and each settings dataclass checks its own table (``__post_init__``), both on the assembled
+config; ``validate`` below checks what needs several keys at once, and
 ``protocol_models.preflight`` checks the config against this machine (data, tokenizer, dump
 folder, checkpoint).
 
@@ -34,8 +36,8 @@ from protocol_models.checkpointing import ProtocolCheckpointManager
 from protocol_models.errors import ConfigError, require
 from protocol_models.layout import stage_layer_ranges
 from protocol_models.optimizers import OPTIMIZERS, OptimizerSettings
-from protocol_models.pipeline import SCHEDULES
 from protocol_models.preflight import validate_environment
+from protocol_models.ranges import OneOf
 from protocol_models.toml_tables import (
     CORPUS_KEYS,
     assign,
@@ -45,6 +47,7 @@ from protocol_models.toml_tables import (
     rerun_post_init,
     split_argv,
 )
+from protocol_models.torchtitan_ranges import TORCHTITAN_RANGES
 from protocol_models.trainer import ProtocolTrainer
 
 __all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "validate"]
@@ -112,23 +115,19 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
         if key == "optimizer":
             assign(optimizer, expect_table(value, key), key)
         elif key == "activation_checkpoint":
-            if value not in ACTIVATION_CHECKPOINT:
-                raise ConfigError(
-                    f"activation_checkpoint = {value!r}: expected one of "
-                    f"{sorted(ACTIVATION_CHECKPOINT)}"
-                )
+            OneOf(ACTIVATION_CHECKPOINT).require(key, value)
             factory = ACTIVATION_CHECKPOINT[value]
             config.activation_checkpoint = factory() if factory else None
         else:
             assign(config, {key: value}, "", also_allowed=_TOP_LEVEL_SPECIAL)
-    rerun_post_init(optimizer, "optimizer")
+    rerun_post_init(optimizer, "optimizer", TORCHTITAN_RANGES)
     learned = config.protocol.mode == "mapl" and config.layout_stages > 1
     config.optimizer = optimizer.to_container_config(
         config.protocol.projection_lr if learned else None
     )
     config.protocol.parametrization = optimizer.parametrization
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
-    rerun_post_init(config, "")
+    rerun_post_init(config, "", TORCHTITAN_RANGES)
     config.validator.dataloader = dataclasses.replace(config.dataloader, split="validation")
     validate(config)
     return config
@@ -144,7 +143,7 @@ def validate(config: ProtocolTrainer.Config) -> None:
     )
     pp = par.pipeline_parallel_degree
     require(
-        1 <= protocol.k <= model.dim,
+        protocol.k <= model.dim,
         f"protocol.k = {protocol.k}: must be an integer in [1, model.dim = {model.dim}]",
     )
     config.codec.check(
@@ -163,7 +162,6 @@ def validate(config: ProtocolTrainer.Config) -> None:
             f"{needs} acts on whole matrices; use data_parallel_replicate_degree for data "
             "parallelism (or optimizer.name = 'adamw' with update_every = 0 to shard)"
         )
-    require(pp >= 1, f"parallelism.pipeline_parallel_degree = {pp}: must be >= 1")
     require(
         pp <= model.n_layers,
         f"parallelism.pipeline_parallel_degree = {pp}: more pipeline stages than "
@@ -171,7 +169,7 @@ def validate(config: ProtocolTrainer.Config) -> None:
     )
     if protocol.stages is not None:
         require(
-            1 <= protocol.stages <= model.n_layers,
+            protocol.stages <= model.n_layers,
             f"protocol.stages = {protocol.stages}: must be in [1, model.n_layers = "
             f"{model.n_layers}]",
         )
@@ -182,38 +180,35 @@ def validate(config: ProtocolTrainer.Config) -> None:
         )
     if protocol.layers_per_stage is not None:
         stage_layer_ranges(model.n_layers, config.layout_stages, protocol.layers_per_stage)
-    if pp > 1:
-        require(
-            par.pipeline_parallel_schedule in SCHEDULES,
-            f"parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r}: "
-            f"expected one of {list(SCHEDULES)}",
-        )
-        mb = par.pipeline_parallel_microbatch_size
-        require(
-            mb >= 1 and training.local_batch_size % mb == 0,
-            f"parallelism.pipeline_parallel_microbatch_size = {mb}: must divide "
-            f"training.local_batch_size = {training.local_batch_size}",
-        )
-    require(training.steps >= 1, f"training.steps = {training.steps}: must be >= 1")
-    require(training.seq_len >= 1, f"training.seq_len = {training.seq_len}: must be >= 1")
+    mb = par.pipeline_parallel_microbatch_size
     require(
-        training.local_batch_size >= 1,
-        f"training.local_batch_size = {training.local_batch_size}: must be >= 1",
+        pp == 1 or training.local_batch_size % mb == 0,
+        f"parallelism.pipeline_parallel_microbatch_size = {mb}: must divide "
+        f"training.local_batch_size = {training.local_batch_size}",
+    )
+    per_step = training.local_batch_size * config.replicas
+    require(
+        training.global_batch_size == -1 or training.global_batch_size % per_step == 0,
+        f"training.global_batch_size = {training.global_batch_size}: must be a multiple of "
+        f"training.local_batch_size x the data-parallel degree = {per_step}",
+    )
+    profiler = config.profiler
+    require(
+        not profiler.enable_profiling
+        or profiler.profile_freq >= profiler.profiler_warmup + profiler.profiler_active,
+        f"profiler.profile_freq = {profiler.profile_freq}: must be >= profiler.profiler_warmup "
+        f"+ profiler.profiler_active = {profiler.profiler_warmup + profiler.profiler_active}",
     )
     config.wan.check_boundaries(pp - 1)
     require(
         not config.checkpoint.create_seed_checkpoint or config.checkpoint.enable,
         "checkpoint.create_seed_checkpoint = true needs checkpoint.enable = true",
     )
+    prompts = config.metrics.sample_prompts
     require(
-        config.metrics.log_freq >= 1,
-        f"metrics.log_freq = {config.metrics.log_freq}: must be >= 1",
-    )
-    prompts, sample_tokens = config.metrics.sample_prompts, config.metrics.sample_tokens
-    require(
-        not prompts or (len(prompts) <= training.local_batch_size and sample_tokens >= 1),
-        f"metrics.sample_prompts: {len(prompts)} prompts, sample_tokens = {sample_tokens}: "
-        f"at most training.local_batch_size = {training.local_batch_size} prompts, tokens >= 1",
+        len(prompts) <= training.local_batch_size,
+        f"metrics.sample_prompts: {len(prompts)} prompts: at most "
+        f"training.local_batch_size = {training.local_batch_size}",
     )
     require(
         not prompts or not model.loss_chunk_tokens,

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -43,6 +43,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 
 from protocol_models import corpus, shakespeare
 from protocol_models.errors import ConfigError, DataError
+from protocol_models.ranges import AT_LEAST_1, OneOf, Range, Ranges
 
 CACHE_FORMAT = 1
 """Bumped whenever the cached ids' meaning changes (invalidates every cache)."""
@@ -91,6 +92,16 @@ class TextDataLoader(ParallelAwareDataloader):
         split: corpus.Side = "train"
         """Which part this loader reads; the validator's copy reads ``validation``."""
 
+        RANGES: ClassVar[Ranges] = {
+            "num_workers": OneOf(
+                (0,),
+                note="each loader worker would read the whole shard; tokenize a corpus once "
+                "with tokenize_processes",
+            ),
+            "validation_fraction": Range(low=0, high=1, high_open=True),
+            "tokenize_processes": AT_LEAST_1,
+        }
+
         def __post_init__(self) -> None:
             sources = [k for k in ("files", "hf_dataset") if getattr(self, k)]
             if len(sources) != 1:
@@ -109,20 +120,6 @@ class TextDataLoader(ParallelAwareDataloader):
                 raise ValueError(
                     f"dataloader.validation_split = {self.validation_split!r} names a split of "
                     "dataloader.hf_dataset; for files use validation_files or validation_fraction"
-                )
-            if not 0 <= self.validation_fraction < 1:
-                raise ValueError(
-                    f"dataloader.validation_fraction = {self.validation_fraction}: must be in "
-                    "[0, 1)"
-                )
-            if self.tokenize_processes < 1:
-                raise ValueError(
-                    f"dataloader.tokenize_processes = {self.tokenize_processes}: must be >= 1"
-                )
-            if self.num_workers:
-                raise ValueError(
-                    f"dataloader.num_workers = {self.num_workers}: must be 0 (each loader worker "
-                    "would read the whole shard); tokenize a corpus once with tokenize_processes"
                 )
 
         @property

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from math import isnan, nan
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from torchtitan.components.metrics import (
 from torchtitan.tools.utils import device_module, get_local_device
 
 from protocol_models.errors import DataError
+from protocol_models.ranges import AT_LEAST_1, Ranges
 from protocol_models.wire import Wire
 from protocol_models.wire.meter import ring_rounds
 
@@ -161,6 +162,8 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         ``training.local_batch_size`` prompts; ``protocol_models.samples``). Empty: off."""
         sample_tokens: int = 32
         """Tokens each sampled continuation gets (fewer where the row ends at ``seq_len``)."""
+
+        RANGES: ClassVar[Ranges] = {"log_freq": AT_LEAST_1, "sample_tokens": AT_LEAST_1}
 
     wire: Wire | None = None
     """The trainer's wire, handed over after construction as TorchTitan hands over

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -69,6 +69,7 @@ from protocol_models.errors import UserError, require
 from protocol_models.layout import stage_layer_ranges
 from protocol_models.loss import chunked_cross_entropy
 from protocol_models.mapl import MaplCodec
+from protocol_models.ranges import AT_LEAST_1, POSITIVE, Range, Ranges
 
 if TYPE_CHECKING:
     from protocol_models.protocol import ProtocolSettings
@@ -99,20 +100,28 @@ class ModelArch:
     logits ``[mb, seq, V]``; the backward recomputes each chunk's (``protocol_models.loss``).
     0: TorchTitan's stock head and ``CrossEntropyLoss`` on the full logits."""
 
+    RANGES: ClassVar[Ranges] = {
+        "dim": AT_LEAST_1,
+        "n_layers": AT_LEAST_1,
+        "n_heads": AT_LEAST_1,
+        "n_kv_heads": AT_LEAST_1,
+        "vocab_size": AT_LEAST_1,
+        "ffn_hidden_dim": AT_LEAST_1,
+        "multiple_of": AT_LEAST_1,
+        "ffn_dim_multiplier": POSITIVE,
+        "rope_theta": POSITIVE,
+        "init_std": POSITIVE,
+        "loss_chunk_tokens": Range(low=0, note="0 = full logits"),
+    }
+
     def __post_init__(self) -> None:
-        require(self.dim >= 1, f"model.dim = {self.dim}: must be >= 1")
-        require(self.n_layers >= 1, f"model.n_layers = {self.n_layers}: must be >= 1")
         require(
-            self.loss_chunk_tokens >= 0,
-            f"model.loss_chunk_tokens = {self.loss_chunk_tokens}: must be >= 0 (0 = full logits)",
-        )
-        require(
-            self.n_heads >= 1 and self.dim % self.n_heads == 0,
+            self.dim % self.n_heads == 0,
             f"model.n_heads = {self.n_heads}: must divide model.dim = {self.dim}",
         )
         kv = self.n_kv_heads
         require(
-            kv is None or (kv >= 1 and self.n_heads % kv == 0),
+            kv is None or self.n_heads % kv == 0,
             f"model.n_kv_heads = {kv}: must divide model.n_heads = {self.n_heads}",
         )
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torchtitan.components.optimizer import OptimizersContainer
@@ -44,6 +44,7 @@ from protocol_models.errors import NonFiniteError, require
 from protocol_models.mapl import retract, tangent
 from protocol_models.model import local_matrix, project_
 from protocol_models.protocol import Parametrization
+from protocol_models.ranges import AT_LEAST_0, POSITIVE, OneOf, Range, Ranges
 
 BLOCK_MATRICES = r"^layers\.\d+\.(attention|feed_forward|encoder|decoder)\."
 """Parameter names Muon trains: every projection inside a block, ResBM's boundary encoder and
@@ -392,9 +393,23 @@ class OptimizerSettings:
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
 
+    RANGES: ClassVar[Ranges] = {
+        "name": OneOf(OPTIMIZERS),
+        "lr": POSITIVE,
+        "betas": Range(low=0, high=1, high_open=True),
+        "eps": POSITIVE,
+        "weight_decay": AT_LEAST_0,
+        "skip_nonfinite_steps": AT_LEAST_0,
+        "muon_lr": POSITIVE,
+        "muon_momentum": Range(low=0, high=1, high_open=True),
+        "muon_weight_decay": AT_LEAST_0,
+    }
+
     def __post_init__(self) -> None:
-        allowed = list(OPTIMIZERS)
-        require(self.name in allowed, f"optimizer.name = {self.name!r}: expected one of {allowed}")
+        require(
+            len(self.betas) == 2,
+            f"optimizer.betas = {self.betas}: expected two values [beta1, beta2]",
+        )
 
     @property
     def entry(self) -> OptimizerEntry:

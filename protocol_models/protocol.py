@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from protocol_models.errors import require
+from protocol_models.ranges import AT_LEAST_1, POSITIVE, SEED, OneOf, Range, Ranges
 from protocol_models.wire import modes
 from protocol_models.wire.rvq import CODEBOOK_SIZES
 
@@ -65,51 +66,43 @@ class ProtocolSettings:
     The last stage also holds the final norm and the LM head, so a balanced split usually gives
     it fewer blocks (``python -m protocol_models.plan --propose-split``)."""
 
+    RANGES: ClassVar[Ranges] = {
+        "mode": OneOf(modes),
+        "k": AT_LEAST_1,
+        "seed": SEED,
+        "stages": AT_LEAST_1,
+        "update_every": Range(low=0, note="0 = no updates"),
+        "update_angle_deg": Range(low=0, high=90, low_open=True),
+        "anchor_rank": AT_LEAST_1,
+        "projection_lr": POSITIVE,
+        "rvq_stages": Range(low=0, note="0 = no quantizer"),
+        "rvq_codebook": OneOf(CODEBOOK_SIZES),
+        "rvq_decay": Range(low=0, high=1, high_open=True),
+        "layers_per_stage": Range(low=1, note="every stage needs at least one block"),
+    }
+
     def __post_init__(self) -> None:
-        allowed = modes()
-        require(self.mode in allowed, f"protocol.mode = {self.mode!r}: expected one of {allowed}")
         every = self.update_every
-        require(every >= 0, f"protocol.update_every = {every}: must be >= 0 (0 = no updates)")
         require(
             every == 0 or self.mode == "subspace",
             f"protocol.update_every = {every}: subspace updates need protocol.mode = 'subspace' "
             f"(got {self.mode!r})",
         )
-        require(
-            self.anchor_rank >= 1,
-            f"protocol.anchor_rank = {self.anchor_rank}: must be an integer >= 1",
-        )
-        require(
-            self.projection_lr > 0,
-            f"protocol.projection_lr = {self.projection_lr}: must be > 0",
-        )
-        self._check_rvq()
-        require(
-            0 < self.update_angle_deg <= 90,
-            f"protocol.update_angle_deg = {self.update_angle_deg}: must be in (0, 90]",
-        )
+        if self.rvq_stages:
+            self._check_rvq()
 
     def _check_rvq(self) -> None:
-        if not self.rvq_stages:
-            return
         require(
             self.mode == "mapl",
             f"protocol.rvq_stages = {self.rvq_stages}: needs protocol.mode = 'mapl' "
             f"(got {self.mode!r}); 0 = no quantizer",
         )
-        k = self.rvq_codebook
+        per_byte = 8 // int(math.log2(self.rvq_codebook))
         require(
-            k in CODEBOOK_SIZES, f"protocol.rvq_codebook = {k}: expected one of {CODEBOOK_SIZES}"
-        )
-        per_byte = 8 // int(math.log2(k))
-        require(
-            self.rvq_stages >= 1 and self.rvq_stages % per_byte == 0,
+            self.rvq_stages % per_byte == 0,
             f"protocol.rvq_stages = {self.rvq_stages}: must be 0 or a positive multiple of "
-            f"{per_byte} (protocol.rvq_codebook = {k}: {8 // per_byte}-bit indices, bit-packed)",
-        )
-        require(
-            0 <= self.rvq_decay < 1,
-            f"protocol.rvq_decay = {self.rvq_decay}: must be in [0, 1)",
+            f"{per_byte} (protocol.rvq_codebook = {self.rvq_codebook}: {8 // per_byte}-bit "
+            "indices, bit-packed)",
         )
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli
 
+from protocol_models import ranges
 from protocol_models.errors import ConfigError
 
 _HIDDEN = {
@@ -29,9 +31,15 @@ _HIDDEN = {
     "dataset",
     "dataset_path",
     "split",
+    "persistent_workers",
+    "prefetch_factor",
+    "trace_post_processor",
 }
 """Container fields TOML does not set (the dataloader's ``dataset``/``dataset_path`` are
-TorchTitan's registry names, unused here; ``split`` is set on the validator's copy)."""
+TorchTitan's registry names, unused here; ``split`` is set on the validator's copy;
+``persistent_workers``/``prefetch_factor`` configure loader worker processes, which
+``dataloader.num_workers = 0`` never starts; the profiler's ``trace_post_processor`` is a
+Python function)."""
 CORPUS_KEYS = ("files", "hf_dataset")
 CORPUS_DESCRIPTION = (
     *CORPUS_KEYS,
@@ -213,12 +221,15 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def rerun_post_init(obj: Any, prefix: str) -> None:
-    """Re-run the dataclasses' own validation on the assembled config, as one-line errors."""
+def rerun_post_init(obj: Any, prefix: str, tables: Mapping[str, ranges.Ranges]) -> None:
+    """Re-run the dataclasses' own validation on the assembled config, as one-line errors: each
+    table's declared ranges (``protocol_models.ranges``: its class's ``RANGES``, else
+    ``tables[table]``), then its ``__post_init__``."""
     for f in dataclasses.fields(obj):
         child = getattr(obj, f.name)
         if dataclasses.is_dataclass(child) and not isinstance(child, type):
-            rerun_post_init(child, f"{prefix}.{f.name}" if prefix else f.name)
+            rerun_post_init(child, f"{prefix}.{f.name}" if prefix else f.name, tables)
+    ranges.check(obj, prefix, tables)
     post_init = getattr(obj, "__post_init__", None)
     if post_init is not None:
         try:

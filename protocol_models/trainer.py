@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from protocol_models.model import ModelArch, build_model_spec
 from protocol_models.optimizers import bind_subspace
 from protocol_models.pipeline import parallelize_protocol, pipeline_protocol
 from protocol_models.protocol import ProtocolSettings
+from protocol_models.ranges import AT_LEAST_1, POSITIVE, Range, Ranges
 from protocol_models.samples import sample_at_validation
 from protocol_models.wire import Wire
 from protocol_models.wire.codecs import CodecSettings
@@ -91,13 +92,22 @@ class HardwareSettings:
     gpus_per_node: int = 8
     """Processes per node; the planner prints which nodes hold which pipeline stage."""
 
+    RANGES: ClassVar[Ranges] = {
+        "usable_memory_gib": POSITIVE,
+        "peak_tflops": POSITIVE,
+        "gpus_per_node": AT_LEAST_1,
+    }
+
 
 class ProtocolValidator(Validator):
     """TorchTitan's Validator, passing token ids to every stage; then ``[metrics]`` samples."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Validator.Config):
-        pass
+        RANGES: ClassVar[Ranges] = {
+            "freq": AT_LEAST_1,
+            "steps": Range(low=1, also=(-1,), note="-1 = the whole validation data"),
+        }
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels, model_parts)

@@ -27,6 +27,8 @@ CASES = {
     "unsupported schedule": (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "pipeline_parallel_schedule"),
     "unknown optimizer": (["--optimizer.name", "sgd"], "optimizer.name"),
     "negative bandwidth": (["--wan.bandwidth_mbps", "-5"], "wan.bandwidth_mbps"),
+    "negative learning rate (a TorchTitan key's declared range)": (["--optimizer.lr", "-1.0"], "optimizer.lr = -1.0: must be > 0"),
+    "warmup below 0 (a TorchTitan table)": (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps = -1: must be >= 0"),
     "per-boundary list of wrong length": (["--wan.latency_ms_per_boundary", "[10, 20]"], "wan.latency_ms_per_boundary"),
     "missing data file": (["--dataloader.files", "/nonexistent/corpus.jsonl", *NO_VALIDATION], "dataloader.files"),
     "empty glob": (["--dataloader.files", "/nonexistent/*.parquet", *NO_VALIDATION], "dataloader.files"),

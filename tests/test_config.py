@@ -31,6 +31,16 @@ def test_cli_overrides_win_over_toml():
     assert config.optimizer.param_groups[0].optimizer_kwargs["lr"] == 2e-4
 
 
+@pytest.mark.parametrize(
+    "toml",
+    sorted([*(REPO / "configs").glob("*.toml"), *(REPO / "tests").glob("*.toml")]),
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
+def test_every_bundled_config_passes_the_check(toml):
+    """Every key of every bundled TOML lies in its declared range (``protocol_models.ranges``)."""
+    load_config(str(toml), [], check_environment=False)
+
+
 def test_override_literals():
     assert parse_overrides(["--a.b", "3", "--c", "--d.e=x y", "--f", "[1, 2]"]) == [
         ("a.b", 3), ("c", True), ("d.e", "x y"), ("f", [1, 2]),
@@ -47,13 +57,27 @@ def test_override_literals():
         (["--protocol.stages", "3"], "protocol.stages = 3: must equal"),
         (["--checkpoint.create_seed_checkpoint"], "needs checkpoint.enable"),
         (
-            ["--protocol.layers_per_stage", "[4, 4, 0]"],
-            "protocol.layers_per_stage = [4, 4, 0]: expected 2 entries, one per pipeline stage",
+            ["--protocol.layers_per_stage", "[4, 2, 2]"],
+            "protocol.layers_per_stage = [4, 2, 2]: expected 2 entries, one per pipeline stage",
         ),
-        (["--protocol.layers_per_stage", "[8, 0]"], "every stage needs at least one block"),
+        (
+            ["--protocol.layers_per_stage", "[8, 0]"],
+            "protocol.layers_per_stage = [8, 0]: every entry must be >= 1 (every stage needs at "
+            "least one block)",
+        ),
         (["--protocol.layers_per_stage", "[4, 3]"], "sums to 7, expected model.n_layers = 8"),
         (["--protocol.layers_per_stage", "[4, 'x']"], "expected a list of integers"),
         (["--dataloader.num_workers", "2"], "dataloader.num_workers = 2: must be 0"),
+        (
+            ["--training.global_batch_size", "12"],
+            "training.global_batch_size = 12: must be a multiple of training.local_batch_size x "
+            "the data-parallel degree = 8",
+        ),
+        (
+            ["--profiler.enable_profiling", "--profiler.profile_freq", "2"],
+            "profiler.profile_freq = 2: must be >= profiler.profiler_warmup + "
+            "profiler.profiler_active = 4",
+        ),
         (
             ["--dataloader.validation_split", "validation", "--dataloader.validation_files", ""],
             "names a split of dataloader.hf_dataset",

@@ -201,7 +201,7 @@ def test_projections_get_stiefel_muon_and_anchors_the_main_optimizer():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["--protocol.anchor_rank", "0"], "protocol.anchor_rank = 0: must be an integer >= 1"),
+        (["--protocol.anchor_rank", "0"], "protocol.anchor_rank = 0: must be >= 1"),
         (["--protocol.projection_lr", "0"], "protocol.projection_lr = 0.0: must be > 0"),
         (["--protocol.k", "65"], "protocol.k = 65: must be an integer in [1, model.dim = 64]"),
         (["--codec.bits", "4"], "codec.bits = 4: protocol.mode = 'mapl' does not read it"),

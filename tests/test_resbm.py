@@ -115,7 +115,7 @@ def test_identity_path_passes_the_first_h_coordinates_exactly():
     ("overrides", "message"),
     [
         (["--protocol.k", "65"], "protocol.k = 65: must be an integer in [1, model.dim = 64]"),
-        (["--protocol.k", "0"], "protocol.k = 0: must be an integer in [1, model.dim = 64]"),
+        (["--protocol.k", "0"], "protocol.k = 0: must be >= 1"),
         (["--codec.bits", "4"], "codec.bits = 4: protocol.mode = 'resbm' does not read it"),
         (["--protocol.update_every", "5"], "subspace updates need protocol.mode = 'subspace'"),
     ],

@@ -146,7 +146,7 @@ def test_the_run_builds_the_quantizer_from_protocol_keys():
     [
         (["--protocol.rvq_stages", "2"], "protocol.rvq_stages = 2: needs protocol.mode = 'mapl'"),
         (["--protocol.mode", "mapl", "--protocol.rvq_stages", "2", "--protocol.rvq_codebook",
-          "32"], "protocol.rvq_codebook = 32: expected one of (4, 16, 256)"),
+          "32"], "protocol.rvq_codebook = 32: expected one of [4, 16, 256]"),
         (["--protocol.mode", "mapl", "--protocol.rvq_stages", "3", "--protocol.rvq_codebook",
           "16"], "protocol.rvq_stages = 3: must be 0 or a positive multiple of 2"),
         (["--protocol.mode", "mapl", "--protocol.rvq_stages", "1", "--protocol.rvq_decay", "1"],

@@ -69,6 +69,7 @@ from torch import nn
 from protocol_models import subspace
 from protocol_models.errors import ConfigError, require
 from protocol_models.layout import stage_layer_ranges
+from protocol_models.ranges import AT_LEAST_1, SEED, Ranges
 
 INDEX_DTYPE = torch.int16
 """TopK indices on the wire (``d <= 32768``)."""
@@ -87,7 +88,7 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
 
 
 def _check_rank(rank: int, dim: int) -> None:
-    require(1 <= rank <= dim, f"codec.rank = {rank}: must be an integer in [1, model.dim = {dim}]")
+    require(rank <= dim, f"codec.rank = {rank}: must be an integer in [1, model.dim = {dim}]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,6 +109,8 @@ class CodecSettings:
     seed: int = 4321
     """Seed of the gradients' stochastic rounding (``quant``); ``lowrank``'s ``P`` is the
     subspace basis of ``protocol.seed`` (the subspace codec without constraint and F)."""
+
+    RANGES: ClassVar[Ranges] = {"topk": AT_LEAST_1, "rank": AT_LEAST_1, "seed": SEED}
 
     def check(self, mode: str, dim: int, microbatch_tokens: int, k: int) -> None:
         """These settings against ``protocol.mode`` at width ``dim``, subspace rank ``k`` and
@@ -216,7 +219,7 @@ class TopK(Codec):
     @classmethod
     def check(cls, settings, dim, microbatch_tokens):
         require(
-            1 <= settings.topk <= min(dim, 32768),
+            settings.topk <= min(dim, 32768),
             f"codec.topk = {settings.topk}: must be in [1, model.dim = {dim}] "
             "(indices travel as int16: model.dim <= 32768)",
         )

@@ -35,10 +35,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from protocol_models.errors import require
+from protocol_models.ranges import AT_LEAST_0, Range, Ranges
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,19 +55,20 @@ class LinkSettings:
     """Optional per-boundary bandwidths (boundary i joins stages i, i + 1); overrides the above."""
     latency_ms_per_boundary: list[float] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        for key in ("bandwidth_mbps", "latency_ms"):
-            value = getattr(self, key)
-            require(value >= 0, f"wan.{key} = {value}: must be >= 0 (0 = unlimited / none)")
+    RANGES: ClassVar[Ranges] = {
+        "bandwidth_mbps": Range(low=0, note="0 = unlimited"),
+        "latency_ms": AT_LEAST_0,
+        "bandwidth_mbps_per_boundary": Range(low=0, note="0 = unlimited"),
+        "latency_ms_per_boundary": AT_LEAST_0,
+    }
 
     def check_boundaries(self, n_boundaries: int) -> None:
-        """The per-boundary lists hold one non-negative value per pipeline boundary."""
+        """The per-boundary lists hold one value per pipeline boundary."""
         for key in ("bandwidth_mbps_per_boundary", "latency_ms_per_boundary"):
             per = getattr(self, key)
             require(
-                not per or (len(per) == n_boundaries and min(per) >= 0),
-                f"wan.{key} = {per}: expected {n_boundaries} non-negative values "
-                "(one per pipeline boundary)",
+                not per or len(per) == n_boundaries,
+                f"wan.{key} = {per}: expected {n_boundaries} values (one per pipeline boundary)",
             )
 
     @property

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from protocol_models.errors import require
+from protocol_models.ranges import Range, Ranges
 
 SYSCTL_ROOT = Path("/proc/sys")
 
@@ -45,10 +46,10 @@ class TransportSettings:
     link_latency_ms: float = 0.0
     """That link's one-way latency in ms."""
 
-    def __post_init__(self) -> None:
-        for key in ("link_mbps", "link_latency_ms"):
-            value = getattr(self, key)
-            require(value >= 0, f"transport.{key} = {value}: must be >= 0 (0 = not stated)")
+    RANGES: ClassVar[Ranges] = {
+        "link_mbps": Range(low=0, note="0 = not stated"),
+        "link_latency_ms": Range(low=0, note="0 = not stated"),
+    }
 
     @property
     def link_stated(self) -> bool:
