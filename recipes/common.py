@@ -19,7 +19,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from protocol_models.metrics import read_jsonl
+from protocol_models.training.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "configs" / "reference_cpu.toml"
@@ -117,7 +117,7 @@ def train_cached(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1
 def canonical_overrides(overrides: list[str]) -> tuple[tuple[str, str], ...]:
     """The ``(key, value)`` pairs of an override list, sorted: equal for equal runs whatever
     the order the overrides were written in."""
-    from protocol_models.config import parse_overrides
+    from protocol_models.config.run_config import parse_overrides
 
     return tuple(sorted((k, repr(v)) for k, v in parse_overrides(overrides)))
 

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from protocol_models import plan
-from protocol_models.config import load_config
+from protocol_models.cluster import plan
+from protocol_models.config.run_config import load_config
 from protocol_models.wire import codec_for
 from protocol_models.wire.sizes import message_bytes
 from recipes import common

@@ -40,7 +40,7 @@ import platform
 import time
 from pathlib import Path
 
-from protocol_models.config import load_config
+from protocol_models.config.run_config import load_config
 from recipes import common
 from recipes.common import PARALLEL_RUNS, REFERENCE, REPO
 from recipes.compare import (

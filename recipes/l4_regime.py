@@ -51,8 +51,8 @@ import json
 import os
 from pathlib import Path
 
-from protocol_models.config import load_config
-from protocol_models.emulate import emulated_link
+from protocol_models.cluster.emulate import emulated_link
+from protocol_models.config.run_config import load_config
 from protocol_models.wire.codecs import CODECS
 from recipes import common, real_link, tun_relay
 from recipes.common import (

@@ -228,7 +228,7 @@ def real_run(folder: Path, overrides: list[str], nodes: int, relay: Relay,
         codes = [proc.wait() for proc in procs]
     if any(codes):
         raise RuntimeError(f"real-link run failed {codes}; see {folder}/run_node*.log")
-    from protocol_models.metrics import read_jsonl
+    from protocol_models.training.metrics import read_jsonl
 
     dropped = {k: v - before[k] for k, v in relay.dropped().items()}
     return read_jsonl(folder / "metrics.jsonl"), dropped

@@ -10,14 +10,14 @@ import pytest
 import torch
 from conftest import TINY
 
-from protocol_models import plan
-from protocol_models.boundary import BOUNDARIES, BoundaryMethod
-from protocol_models.config import load_config
-from protocol_models.errors import ConfigError, require
-from protocol_models.model import ModelArch, build_model_config
-from protocol_models.optimizers import OPTIMIZERS, GuardedOptimizers, OptimizerEntry
-from protocol_models.protocol import ProtocolSettings
-from protocol_models.trainer import protocol_identity
+from protocol_models.cluster import plan
+from protocol_models.config.run_config import load_config
+from protocol_models.model.boundary import BOUNDARIES, BoundaryMethod
+from protocol_models.model.model import ModelArch, build_model_config
+from protocol_models.tools.errors import ConfigError, require
+from protocol_models.training.optimizers import OPTIMIZERS, GuardedOptimizers, OptimizerEntry
+from protocol_models.training.protocol import ProtocolSettings
+from protocol_models.training.trainer import protocol_identity
 from protocol_models.wire.codecs import CODECS, Codec, install_in_graph
 from recipes import ablation, compare
 

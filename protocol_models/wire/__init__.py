@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol_models.boundary import BOUNDARIES
+from protocol_models.model.boundary import BOUNDARIES
 from protocol_models.wire.codecs import CODECS, Codec, build_codec
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.meter import WireMeter, ring_rounds
@@ -23,7 +23,7 @@ from protocol_models.wire.rvq import ResidualVQ
 
 
 def modes() -> list[str]:
-    """Every ``[protocol] mode``: the boundary methods (``protocol_models.boundary``: the wire
+    """Every ``[protocol] mode``: the boundary methods (``protocol_models.model.boundary``: the wire
     carries the stage output as it is), then the registered lossy codecs."""
     return [*BOUNDARIES, *CODECS]
 

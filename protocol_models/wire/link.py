@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol_models.errors import require
+from protocol_models.tools.errors import require
 
 
 @dataclass(kw_only=True, slots=True)

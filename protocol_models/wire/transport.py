@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol_models.errors import require
+from protocol_models.tools.errors import require
 
 SYSCTL_ROOT = Path("/proc/sys")
 
