@@ -19,7 +19,8 @@ from protocol_models.training.optimizers import OPTIMIZERS, GuardedOptimizers, O
 from protocol_models.training.protocol import ProtocolSettings
 from protocol_models.training.trainer import protocol_identity
 from protocol_models.wire.codecs import CODECS, Codec, install_in_graph
-from recipes import ablation, compare
+from recipes import ablation
+from recipes.common import arms
 
 
 class Strided(Codec):
@@ -102,7 +103,7 @@ def test_a_registered_codec_is_a_mode_everywhere(toy_codec):
     assert plan.message_bytes(config) == (64 * 16 * 4, 64 * 16 * 4)
     assert plan.wire_plan(config)["ratio"] == 4
     # the recipes' byte table
-    b = compare.wire_bytes(TINY, mode)
+    b = arms.wire_bytes(TINY, mode)
     assert b["dense"] / (b["fwd"] + b["bwd"]) == 4
 
     # in-graph in a single-process run of the 2-stage layout: the hook replaces block 1's output
@@ -130,7 +131,7 @@ def test_a_registered_boundary_method_is_a_mode_everywhere(monkeypatch):
     assert plan.message_bytes(config) == (64 * 32 * 4, 64 * 32 * 4)  # [1, 64, 32] fp32
     assert [plan.boundary_weights(config, s) for s in (0, 1)] == [0, 64 * 3]
     assert plan._label(config) == "toy_half w=4"
-    b = compare.wire_bytes(TINY, mode)
+    b = arms.wire_bytes(TINY, mode)
     assert b["dense"] / (b["fwd"] + b["bwd"]) == 2
 
 

@@ -6,7 +6,9 @@
 * ``message``: one packed message per microbatch and direction;
 * ``link``: the slow-link simulator (``[wan]``);
 * ``transport``: receive posting (``[transport]``) and the TCP settings a long link needs;
-* ``sizes``: the one size model of a boundary message, for every mode.
+* ``sizes``: the one size model of a boundary message, for every mode;
+* ``pipeline``: the model spec's pipelining and parallelize functions, which split the model
+  into stages and put the wire between them.
 
 ``Wire`` bundles the parts one run uses, built once from its config.
 """

@@ -1,12 +1,12 @@
-"""Measure a real link between the namespaces of ``recipes.tun_relay``: round trip, bulk TCP
+"""Measure a real link between the namespaces of ``recipes.common.tun_relay``: round trip, bulk TCP
 rate, and what one gloo message costs (the mechanism behind the link model).
 
 Each probe is one side of a client/server pair; ``recipes/real_link.py`` starts both sides, one
 per namespace, and reads the JSON line the measuring side prints:
 
-    python -m recipes.link_probe rtt-server | rtt --peer 10.203.0.2
-    python -m recipes.link_probe bulk-server | bulk --peer 10.203.0.2 --nbytes 2500000
-    python -m recipes.link_probe gloo --rank 0|1 --master 10.203.0.1 --sizes 64 16384 524288
+    python -m recipes.common.link_probe rtt-server | rtt --peer 10.203.0.2
+    python -m recipes.common.link_probe bulk-server | bulk --peer 10.203.0.2 --nbytes 2500000
+    python -m recipes.common.link_probe gloo --rank 0|1 --master 10.203.0.1 --sizes 64 16384 524288
 
 All times are ``time.time()`` on one machine (both namespaces share its clock).
 """

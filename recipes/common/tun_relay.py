@@ -1,7 +1,7 @@
 """A real shaped network between network namespaces: TUN devices and a userspace relay.
 
-    python -m recipes.tun_relay --mbps 10 --delay-ms 25             # as root, until Ctrl-C
-    python -m recipes.tun_relay --mbps 80 --delay-ms 50 --nodes 3   # three nodes
+    python -m recipes.common.tun_relay --mbps 10 --delay-ms 25             # as root, until Ctrl-C
+    python -m recipes.common.tun_relay --mbps 80 --delay-ms 50 --nodes 3   # three nodes
 
 ``nodes`` namespaces (2 to 4), ``pmlink-a``, ``pmlink-b``, ..., each hold one TUN device
 (MTU 1500) with an address of ``10.203.0.0/24`` (``10.203.0.1``, ``.2``, ...). This process owns
@@ -239,7 +239,7 @@ def link_namespaces(shape: Shape, nodes: int = 2) -> Iterator[Relay]:
     except BlockingIOError:
         lock.close()
         raise RuntimeError(f"another shaped link is up ({LOCK} is locked): one at a time") from None
-    cmd = [sys.executable, "-m", "recipes.tun_relay", "--serve", "--mbps", str(shape.mbps)]
+    cmd = [sys.executable, "-m", "recipes.common.tun_relay", "--serve", "--mbps", str(shape.mbps)]
     cmd += ["--delay-ms", str(shape.delay_ms), "--queue-ms", str(shape.queue_ms)]
     cmd += ["--nodes", str(nodes)]
     proc = None
@@ -269,7 +269,7 @@ def in_namespace(node: int, cmd: list[str]) -> list[str]:
 
 
 def _repo() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> None:

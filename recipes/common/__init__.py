@@ -1,7 +1,9 @@
 """Helpers shared by the benchmark recipes: launch a real run, read its metrics, time it.
 
 Every run is a real ``torchrun`` launch of ``protocol_models.train`` (one process per pipeline
-stage, gloo on CPU); its console output goes to ``<dump_folder>/run.log``.
+stage, gloo on CPU); its console output goes to ``<dump_folder>/run.log``. The other helpers
+several recipes share: the codec comparison's harness (``arms``) and the real shaped link
+(``tun_relay``, ``link_probe``, ``shaped_link``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from protocol_models.training.metrics import read_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REFERENCE = REPO / "configs" / "reference_cpu.toml"
 RUN_CACHE = REPO / "results" / "runs"
 """Finished study runs, one folder per (config file text, overrides, process count); shared by
