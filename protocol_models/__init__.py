@@ -4,6 +4,6 @@ Importing the package first installs the CPU device shim (a no-op when an accele
 because TorchTitan binds its device type at import time.
 """
 
-from protocol_models import cpu_shim
+from protocol_models.tools import cpu_shim
 
 DEVICE_TYPE = cpu_shim.install()

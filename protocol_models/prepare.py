@@ -4,17 +4,17 @@
     python -m protocol_models.prepare --toml CONFIG [--section.key value ...]   # what CONFIG reads
 
 The bundled corpus and tokenizer are prepared on first use; a map-style corpus
-(``streaming = false``) is tokenized once into its cache (``protocol_models.data``).
+(``streaming = false``) is tokenized once into its cache (``protocol_models.data.loader``).
 """
 
 from __future__ import annotations
 
 import sys
 
-from protocol_models import shakespeare
-from protocol_models.config import load_config, split_argv
-from protocol_models.data import prepare
-from protocol_models.errors import ConfigError
+from protocol_models.config.run_config import load_config, split_argv
+from protocol_models.data import shakespeare
+from protocol_models.data.loader import prepare
+from protocol_models.tools.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

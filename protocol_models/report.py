@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from protocol_models.config import ConfigError, load_config, split_argv
-from protocol_models.metrics import read_jsonl
+from protocol_models.config.run_config import ConfigError, load_config, split_argv
+from protocol_models.training.metrics import read_jsonl
 
 
 def summarize(dump_folder: Path) -> str:

@@ -16,10 +16,11 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from protocol_models import console, fsdp_probe
-from protocol_models.config import load_config, split_argv
-from protocol_models.errors import USER_ERROR_FILE_ENV, UserError
-from protocol_models.fsdp_probe import FSDP_PROBE_ENV
+from protocol_models.cluster import fsdp_probe
+from protocol_models.cluster.fsdp_probe import FSDP_PROBE_ENV
+from protocol_models.config.run_config import load_config, split_argv
+from protocol_models.tools.errors import USER_ERROR_FILE_ENV, UserError
+from protocol_models.training import console
 
 
 @record  # a bug's traceback goes to the error file (and is raised on)

@@ -8,7 +8,7 @@ Every run is the shared reference workload (``configs/reference_cpu.toml``: Shak
 tokens) trained in one process with ``protocol.stages = 4`` -- the exact model a 4-process
 pipeline trains (tests/test_exactness.py), at a quarter of the processes.
 
-* subspace x every registered optimizer (``protocol_models.optimizers.OPTIMIZERS``: adamw,
+* subspace x every registered optimizer (``protocol_models.training.optimizers.OPTIMIZERS``: adamw,
   adamw_rowwise, muon, adamw_project) x {updates off, every 40 steps};
 * the fair dense twin of each optimizer (its ``OptimizerEntry.dense_twin``): the same rule on the
   same matrices (``adamw`` for ``adamw`` and ``adamw_project``, whose projection has no dense
@@ -27,7 +27,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from protocol_models.optimizers import OPTIMIZERS as REGISTRY
+from protocol_models.training.optimizers import OPTIMIZERS as REGISTRY
 from recipes.common import (
     REPO,
     read_jsonl,

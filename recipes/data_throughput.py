@@ -5,7 +5,7 @@
 
 The corpus is the bundled Shakespeare training text repeated (each copy's documents prefixed with
 the copy number, so every document is distinct) into jsonl files of 16 MB; the tokenizer is the
-bundled 8,192-token byte-level BPE. Measured with ``protocol_models.data``, as a run uses it:
+bundled 8,192-token byte-level BPE. Measured with ``protocol_models.data.loader``, as a run uses it:
 
 * **first start** (``streaming = false``): HF's Arrow conversion of the text plus tokenization
   into ``cache_dir``, with ``tokenize_processes`` = 1 and 2, and the validation hash split on;
@@ -37,7 +37,7 @@ SEQ_LEN = 1024
 
 def write_corpus(folder: Path, megabytes: int) -> int:
     """``megabytes`` of jsonl in ``FILE_MB`` files; returns the text bytes written."""
-    from protocol_models import shakespeare
+    from protocol_models.data import shakespeare
 
     with open(REPO / shakespeare.DEFAULT_CACHE / "train.jsonl") as f:
         documents = [json.loads(line)["text"] for line in f]
@@ -60,7 +60,8 @@ def write_corpus(folder: Path, megabytes: int) -> int:
 
 def first_start(loader_config, tokenizer, processes: int) -> dict:
     """Tokenize the train part into a fresh cache (HF's Arrow copy of the text included)."""
-    from protocol_models import corpus, data
+    from protocol_models.data import corpus
+    from protocol_models.data import loader as data
 
     config = replace(loader_config, tokenize_processes=processes)
     part = corpus.part_of(config, "train")
@@ -81,7 +82,7 @@ def first_start(loader_config, tokenizer, processes: int) -> dict:
 
 def streaming_rate(loader_config, tokenizer, rows: int) -> dict:
     """Rows of ``SEQ_LEN`` tokens per second one rank reads and tokenizes from the stream."""
-    from protocol_models.data import TextDataLoader
+    from protocol_models.data.loader import TextDataLoader
 
     loader = TextDataLoader(
         replace(loader_config, streaming=True),
@@ -123,8 +124,8 @@ def main() -> None:
     megabytes = 16 if args.quick else 256
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    from protocol_models import shakespeare
-    from protocol_models.data import TextDataLoader
+    from protocol_models.data import shakespeare
+    from protocol_models.data.loader import TextDataLoader
 
     shakespeare.prepare(REPO / shakespeare.DEFAULT_CACHE)
     tokenizer = HuggingFaceTokenizer(

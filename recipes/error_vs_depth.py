@@ -20,10 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from protocol_models import subspace
-from protocol_models.config import load_config
-from protocol_models.layout import stage_layer_ranges
-from protocol_models.model import build_model_config
+from protocol_models.config.run_config import load_config
+from protocol_models.model import subspace
+from protocol_models.model.layout import stage_layer_ranges
+from protocol_models.model.model import build_model_config
 from protocol_models.wire.codecs import CodecSettings, build_codec
 from recipes.common import repo_relative
 
@@ -79,7 +79,7 @@ def validation_batch(seq_len: int, sequences: int) -> torch.Tensor:
     with BOS/EOS, as the training loader packs them): inputs ``[sequences, seq_len]``."""
     from tokenizers import Tokenizer
 
-    from protocol_models.shakespeare import BOS, DEFAULT_CACHE, EOS
+    from protocol_models.data.shakespeare import BOS, DEFAULT_CACHE, EOS
 
     cache = Path(__file__).resolve().parents[1] / DEFAULT_CACHE
     tokenizer = Tokenizer.from_file(str(cache / "tokenizer" / "tokenizer.json"))

@@ -40,11 +40,10 @@ import platform
 import time
 from pathlib import Path
 
-from protocol_models.config import load_config
+from protocol_models.config.run_config import load_config
 from recipes import common
 from recipes.common import PARALLEL_RUNS, REFERENCE, REPO
-from recipes.compare import (
-    ARMS,
+from recipes.common.arms import (
     QUICK,
     QUICK_TOML,
     arm,
@@ -55,6 +54,7 @@ from recipes.compare import (
     summarize,
     wire_bytes,
 )
+from recipes.compare import ARMS
 
 KS = [1, 2, 4, 8, 16, 32, 64]
 BITS = [None, 8, 4, 2]

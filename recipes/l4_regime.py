@@ -28,7 +28,7 @@ share of a 2B model on L4 GPUs at 80, 200 and 1000 Mbit/s (+ 50 ms).
    target interpolate the final losses linearly between the two budgets around the crossing.
 4. ``T = steps to target x step time``; ``T / time_scale`` is the L4-equivalent time.
 5. ``--real-link``: the step times again, each arm on each emulated link twice, back to back:
-   under the link simulator and over a real shaped link (``recipes.tun_relay``: 4 network
+   under the link simulator and over a real shaped link (``recipes.common.tun_relay``: 4 network
    namespaces, one torchrun node each, every pair of nodes over its own link at the emulated
    rate and one-way delay, the TCP settings the config check recommends applied in each; the
    relay's drop counts kept). ``--buffer`` sets the relay's drop-tail buffer (``BUFFERS``:
@@ -51,22 +51,24 @@ import json
 import os
 from pathlib import Path
 
-from protocol_models.config import load_config
-from protocol_models.emulate import emulated_link
+from protocol_models.cluster.emulate import emulated_link
+from protocol_models.config.run_config import load_config
 from protocol_models.wire.codecs import CODECS
-from recipes import common, real_link, tun_relay
+from recipes import common
 from recipes.common import (
     REFERENCE,
     REPO,
     run_folder,
+    shaped_link,
     steady_step_time,
     steps_to_reach,
     timing_overrides,
     train,
     train_cached,
+    tun_relay,
     validation_curve,
 )
-from recipes.compare import FRONTIER, OPTIMIZER
+from recipes.common.arms import FRONTIER, OPTIMIZER
 
 TARGET = REPO / "configs" / "llama3_2b_protocol.toml"
 BANDWIDTHS = [80.0, 200.0, 1000.0]
@@ -256,7 +258,7 @@ def time_on_real_links(results: dict, arms: dict[str, list[str]], quick: list[st
         queue = queue_ms(buffer, link["latency_ms"])
         shape = tun_relay.Shape(link["bandwidth_mbps"], link["latency_ms"], queue)
         with tun_relay.link_namespaces(shape, nodes) as relay:
-            real["tcp"][mbps] = real_link.apply_tcp_fixes(shape, nodes)
+            real["tcp"][mbps] = shaped_link.apply_tcp_fixes(shape, nodes)
             real["queue_ms"][mbps] = queue
             for name, over in todo.items():
                 key = f"{name}/{mbps}"
@@ -265,8 +267,8 @@ def time_on_real_links(results: dict, arms: dict[str, list[str]], quick: list[st
                 wan = ["--wan.bandwidth_mbps", f"{shape.mbps:.6g}",
                        "--wan.latency_ms", f"{shape.delay_ms:.6g}"]  # fmt: skip
                 simulated = train(folder / "sim", [*over, *wan], env=env)
-                records, dropped = real_link.real_run(folder / "real", over, nodes, relay,
-                                                      toml=REFERENCE)  # fmt: skip
+                records, dropped = shaped_link.real_run(folder / "real", over, nodes, relay,
+                                                         toml=REFERENCE)  # fmt: skip
                 sim_time = steady_step_time(simulated, window=TIMING_WINDOW)
                 results["step_s"][key], results["steady"][key] = sim_time
                 real["sim_step_s"][key], real["sim_steady"][key] = sim_time
@@ -277,7 +279,7 @@ def time_on_real_links(results: dict, arms: dict[str, list[str]], quick: list[st
                 real["losses_equal"][key] = [r["loss"] for r in records] == [
                     r["loss"] for r in simulated
                 ]
-                real["commits"][key] = real_link.current_commit()
+                real["commits"][key] = shaped_link.current_commit()
                 (out / "results.json").write_text(json.dumps(results, indent=1))
 
 

@@ -15,11 +15,11 @@ once per mode (``dense`` and ``subspace`` k=8), at each link setting (bandwidth,
 
 * **link off**: ``nodes`` local processes, no link (the throughput a link should keep);
 * **real**: ``nodes`` ``torchrun`` nodes (one process each), one per network namespace of
-  ``recipes.tun_relay``, every byte between them (gloo's and the rendezvous store's) crossing a
-  userspace relay that shapes the rate and delays every packet, each pair of nodes over a link
-  of its own; each namespace first gets the TCP settings
+  ``recipes.common.tun_relay``, every byte between them (gloo's and the rendezvous store's)
+  crossing a userspace relay that shapes the rate and delays every packet, each pair of nodes
+  over a link of its own; each namespace first gets the TCP settings
   ``protocol_models.wire.transport.tcp_fixes`` recommends for the link (recorded); before the
-  2-node runs the link is probed (``recipes.link_probe``: UDP round trip, bulk TCP rate, the
+  2-node runs the link is probed (``recipes.common.link_probe``: UDP round trip, bulk TCP rate, the
   cost of one gloo message posted before and after its send; ``scripts/p2p_check.py`` over
   gloo: whether a late receive costs a round trip more); the relay's drop counts per run are
   recorded;
@@ -54,16 +54,28 @@ import sys
 import time
 from pathlib import Path
 
-from recipes import tun_relay
-from recipes.common import REPO, steady_step_time, timing_overrides, train
-from recipes.tun_relay import ADDRESSES, DEVICES, Relay, Shape, in_namespace, link_namespaces
+from recipes.common import REPO, steady_step_time, timing_overrides, train, tun_relay
+from recipes.common.shaped_link import (
+    MASTER_PORT,
+    apply_tcp_fixes,
+    current_commit,
+    host_sysctl,
+    real_run,
+)
+from recipes.common.tun_relay import (
+    ADDRESSES,
+    DEVICES,
+    Relay,
+    Shape,
+    in_namespace,
+    link_namespaces,
+)
 
 TOML = REPO / "configs" / "debug_cpu.toml"
 SETTINGS = [(10.0, 25.0), (80.0, 50.0)]  # (Mbit/s, one-way ms)
 NODES = [2, 3]
 MODES = ["dense", "subspace"]
 WINDOW = 5  # steps per steady-state window
-MASTER_PORT = 29533
 STOCK_BUFFER_BYTES = 212_992
 """``net.core.{w,r}mem_max`` of a stock Linux host."""
 STOCK_BUFFER_KEYS = ("net.core.wmem_max", "net.core.rmem_max")
@@ -115,47 +127,6 @@ def link_off(folder: Path, mode: str, nodes: int, steps: int, quick: bool) -> di
     return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
 
 
-def apply_tcp_fixes(shape: Shape, nodes: int, skip: tuple[str, ...] = ()) -> dict:
-    """Give every namespace the TCP settings the config check recommends for ``shape`` (but
-    those in ``skip``); returns what was set, per namespace (a setting the kernel refuses is
-    noted as refused). A congestion control a namespace may only choose from the host's
-    allowed list is added to that list first (recorded as ``host``)."""
-    applied: dict[str, dict] = {}
-    for node in range(nodes):
-        ns = tun_relay.NAMESPACES[node]
-        ask = (
-            "import json; from protocol_models.wire.transport import tcp_fixes; "
-            f"print(json.dumps(tcp_fixes({shape.mbps}, {shape.delay_ms})))"
-        )
-        out = subprocess.run(in_namespace(node, [sys.executable, "-c", ask]), cwd=REPO,
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        applied[ns] = {}
-        for name, value in json.loads(out.stdout).items():
-            if name in skip:
-                continue
-            if name == "net.ipv4.tcp_congestion_control":
-                applied["host"] = allow_congestion_control(value)
-            done = subprocess.run(in_namespace(node, ["sysctl", "-q", "-w", f"{name}={value}"]),
-                                  capture_output=True)  # fmt: skip
-            applied[ns][name] = value if done.returncode == 0 else f"refused ({value})"
-    return applied
-
-
-def allow_congestion_control(name: str) -> dict:
-    """Add ``name`` to the host's ``net.ipv4.tcp_allowed_congestion_control`` (a namespace can
-    only pick from it); returns the setting as it now is."""
-    key = "net.ipv4.tcp_allowed_congestion_control"
-    allowed = host_sysctl(key).split()
-    if name not in allowed:
-        subprocess.run(["sysctl", "-q", "-w", f"{key}={' '.join([*allowed, name])}"], check=False)
-    return {key: host_sysctl(key)}
-
-
-def host_sysctl(key: str) -> str:
-    """This host's (the initial namespace's) value of sysctl ``key``."""
-    return subprocess.run(["sysctl", "-n", key], capture_output=True, text=True).stdout.strip()
-
-
 def simulated(folder: Path, mode: str, nodes: int, shape: Shape, steps: int, quick: bool) -> dict:
     """One run with the link simulator: ``nodes`` local processes."""
     wan = ["--wan.bandwidth_mbps", str(shape.mbps), "--wan.latency_ms", str(shape.delay_ms)]
@@ -164,80 +135,17 @@ def simulated(folder: Path, mode: str, nodes: int, shape: Shape, steps: int, qui
     return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
 
 
-def node_command(node: int, nodes: int, folder: Path, overrides: list[str],
-                 toml: Path) -> list[str]:  # fmt: skip
-    """torchrun for node ``node`` of ``nodes`` in its namespace; node 0 hosts the store."""
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(nodes),
-        "--node_rank",
-        str(node),
-        "--nproc_per_node",
-        "1",
-        "--master_addr",
-        ADDRESSES[0],
-        "--master_port",
-        str(MASTER_PORT),
-        "-m",
-        "protocol_models.train",
-        "--toml",
-        str(toml),
-        "--dump_folder",
-        str(folder),
-        *overrides,
-    ]
-    env = ["env", f"GLOO_SOCKET_IFNAME={DEVICES[node]}", "PROTOCOL_MODELS_DEVICE=cpu"]
-    env.append("OMP_NUM_THREADS=1")  # what torchrun sets for the simulated runs' local processes
-    return in_namespace(node, [*env, *torchrun])
-
-
-@contextlib.contextmanager
-def node_process(node: int, nodes: int, folder: Path, overrides: list[str], toml: Path):
-    """Node ``node``'s torchrun, logging to ``run_node<node>.log``; terminated (with its
-    workers) if the ``with`` body ends before it does."""
-    with open(folder / f"run_node{node}.log", "w") as log:
-        cmd = node_command(node, nodes, folder, overrides, toml)
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait()
-
-
 def real(folder: Path, mode: str, nodes: int, relay: Relay, steps: int, quick: bool) -> dict:
     """One run of the study over the relay (``real_run``), summarized."""
-    records, dropped = real_run(folder, run_overrides(mode, nodes, steps, quick), nodes, relay)
+    over = run_overrides(mode, nodes, steps, quick)
+    records, dropped = real_run(folder, over, nodes, relay, toml=TOML)
     return {**summarize(records), "dropped": dropped}
-
-
-def real_run(folder: Path, overrides: list[str], nodes: int, relay: Relay,
-             toml: Path = TOML) -> tuple[list[dict], dict[str, int]]:  # fmt: skip
-    """One training run over the relay: ``nodes`` torchrun nodes, one per namespace (the link
-    must be up); its ``metrics.jsonl`` records and the packets each link dropped during it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "metrics.jsonl").unlink(missing_ok=True)
-    before = relay.dropped()
-    with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(node_process(n, nodes, folder, overrides, toml))
-                 for n in range(nodes)]  # fmt: skip
-        codes = [proc.wait() for proc in procs]
-    if any(codes):
-        raise RuntimeError(f"real-link run failed {codes}; see {folder}/run_node*.log")
-    from protocol_models.metrics import read_jsonl
-
-    dropped = {k: v - before[k] for k, v in relay.dropped().items()}
-    return read_jsonl(folder / "metrics.jsonl"), dropped
 
 
 @contextlib.contextmanager
 def background(side: int, args: list[str]):
-    """A ``recipes.link_probe`` server in namespace ``side`` for the ``with`` body."""
-    cmd = in_namespace(side, [sys.executable, "-m", "recipes.link_probe", *args])
+    """A ``recipes.common.link_probe`` server in namespace ``side`` for the ``with`` body."""
+    cmd = in_namespace(side, [sys.executable, "-m", "recipes.common.link_probe", *args])
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.5)
@@ -249,7 +157,7 @@ def background(side: int, args: list[str]):
 
 def probe_json(side: int, args: list[str], env: dict | None = None) -> dict:
     """Run a measuring probe in namespace ``side``; its last stdout line, as JSON."""
-    cmd = in_namespace(side, [sys.executable, "-m", "recipes.link_probe", *args])
+    cmd = in_namespace(side, [sys.executable, "-m", "recipes.common.link_probe", *args])
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -265,7 +173,7 @@ def probe(shape: Shape) -> dict:
     gloo = ["gloo", "--master", ADDRESSES[0]]
     env0 = {**os.environ, "GLOO_SOCKET_IFNAME": DEVICES[0]}
     sender = subprocess.Popen(
-        in_namespace(0, [sys.executable, "-m", "recipes.link_probe", *gloo, "--rank", "0"]),
+        in_namespace(0, [sys.executable, "-m", "recipes.common.link_probe", *gloo, "--rank", "0"]),
         cwd=REPO,
         env=env0,
         stdout=subprocess.DEVNULL,
@@ -342,11 +250,6 @@ def probe_study(args: argparse.Namespace, steps: int) -> None:
                     "dense_real": real(folder, "dense", 2, relay, steps, args.quick),
                 }  # fmt: skip
         path.write_text(json.dumps(results, indent=2))
-
-
-def current_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True)
-    return out.stdout.decode().strip()
 
 
 def main() -> None:

@@ -109,7 +109,7 @@ def measure(out: Path, name: str, overrides: list[str], steps: int, stages: int,
 
 def workload_shape(overrides: list[str]) -> tuple[int, int]:
     """(stages, microbatches) of the reference workload after ``overrides``."""
-    from protocol_models.config import load_config
+    from protocol_models.config.run_config import load_config
 
     config = load_config(str(REPO / "configs" / "reference_cpu.toml"), overrides)
     par = config.parallelism

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol_models.metrics import read_jsonl
+from protocol_models.training.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "tiny.toml"
@@ -28,7 +28,7 @@ PLAN_LAYOUT = [
 
 def config_error(*overrides: str) -> str:
     """The ``ConfigError`` message tiny.toml with ``overrides`` raises (asserted one line)."""
-    from protocol_models.config import ConfigError, load_config
+    from protocol_models.config.run_config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as err:
         load_config(str(TINY), list(overrides), check_environment=False)
@@ -40,7 +40,7 @@ def config_error(*overrides: str) -> str:
 @pytest.fixture(scope="session", autouse=True)
 def bundled_data():
     """The Shakespeare data and tokenizer, prepared once (a no-op when already there)."""
-    from protocol_models import shakespeare
+    from protocol_models.data import shakespeare
 
     return shakespeare.prepare(REPO / shakespeare.DEFAULT_CACHE)
 

@@ -19,7 +19,7 @@ FAULT = "CUDA error: an illegal memory access was encountered (simulated on rank
 
 def main() -> int:
     from protocol_models import train
-    from protocol_models.trainer import ProtocolTrainer
+    from protocol_models.training.trainer import ProtocolTrainer
 
     if os.environ.get("FAULT", "device") == "data":
         post_dataloading_process = ProtocolTrainer.post_dataloading_process

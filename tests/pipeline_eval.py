@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 
 def main() -> None:
-    from protocol_models.config import load_config, split_argv
+    from protocol_models.config.run_config import load_config, split_argv
 
     config = load_config(*split_argv(sys.argv[1:]))
     trainer = config.build()

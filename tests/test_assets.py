@@ -22,7 +22,7 @@ from huggingface_hub.errors import GatedRepoError, RemoteEntryNotFoundError, Rep
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from protocol_models import assets
+from protocol_models.data import assets
 
 REPO_ID = "acme/tiny-lm"
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY
 
-from protocol_models import cpu_shim
-from protocol_models.checklist import fsdp_network_row, infiniband_devices
-from protocol_models.config import load_config
-from protocol_models.cuda_driver import driver_clause, node_driver
-from protocol_models.fsdp_probe import render as render_fsdp
-from protocol_models.interfaces import interface_warning
+from protocol_models.cluster.checklist import fsdp_network_row, infiniband_devices
+from protocol_models.cluster.fsdp_probe import render as render_fsdp
+from protocol_models.config.run_config import load_config
+from protocol_models.tools import cpu_shim
+from protocol_models.tools.cuda_driver import driver_clause, node_driver
+from protocol_models.tools.interfaces import interface_warning
 
 DRIVER_570 = (
     "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan 16 09:51:13 UTC 2025\n"
@@ -42,7 +42,7 @@ def test_a_driver_below_the_build_s_floor_is_named_with_the_fix(tmp_path, monkey
 
     monkeypatch.setattr(cpu_shim.torch.version, "cuda", "13.0")
     monkeypatch.setattr(cpu_shim.torch.cuda, "init", init)
-    monkeypatch.setattr("protocol_models.cuda_driver.DRIVER_VERSION_FILE", version_file)
+    monkeypatch.setattr("protocol_models.tools.cuda_driver.DRIVER_VERSION_FILE", version_file)
     monkeypatch.delenv(cpu_shim.DEVICE_ENV, raising=False)
     with pytest.raises(cpu_shim.ConfigError) as err:
         cpu_shim.check_device("cuda", "cpu")
@@ -147,7 +147,7 @@ def test_online_wandb_without_a_key_is_refused_before_any_worker(tmp_path):
                            cwd=REPO, capture_output=True, text=True, timeout=120,
                            env={**os.environ, **env})  # fmt: skip
     assert check.returncode == 2 and check.stderr.strip().splitlines() == [line]
-    from protocol_models.preflight import check_wandb_key
+    from protocol_models.config.preflight import check_wandb_key
 
     check_wandb_key({**env, "WANDB_MODE": "offline"})
     (tmp_path / "netrc").write_text(
@@ -174,7 +174,7 @@ def test_flex_attention_without_its_toolchain_is_refused_before_any_worker(tmp_p
     """Flex attention is compiled and Triton builds its launchers with a C compiler against
     ``Python.h``: a missing compiler (``CC`` naming no program; no gcc or clang on ``PATH``) or
     missing headers is one line, not every worker failing in its first forward."""
-    from protocol_models.preflight import check_flex_toolchain
+    from protocol_models.config.preflight import check_flex_toolchain
 
     args = ["--dump_folder", str(tmp_path / "run"), "--model.attention", "flex"]
     line = _refusal(args, {"CC": "no-such-cc"})
@@ -203,7 +203,7 @@ def test_node_zero_hosts_the_rendezvous_store_when_no_host_name_matches(monkeypa
         rendezvous_handler_registry,
     )
 
-    from protocol_models.launch import RENDEZVOUS_BACKEND, rendezvous_conf
+    from protocol_models.cluster.launch import RENDEZVOUS_BACKEND, rendezvous_conf
 
     monkeypatch.setattr(c10d_rendezvous_backend, "_matches_machine_hostname", lambda host: False)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -250,7 +250,7 @@ def test_a_user_error_ends_the_launch_with_its_line_after_the_store_host_left(tm
         RendezvousConnectionError,
     )
 
-    from protocol_models.launch import ProtocolRendezvous
+    from protocol_models.cluster.launch import ProtocolRendezvous
 
     class StoreGone:
         def set_closed(self):

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from conftest import REPO
 
-from protocol_models.config import ConfigError, load_config, parse_overrides
+from protocol_models.config.run_config import ConfigError, load_config, parse_overrides
 
 DEBUG = str(REPO / "configs" / "debug_cpu.toml")
 
@@ -37,7 +37,7 @@ def test_cli_overrides_win_over_toml():
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
 def test_every_bundled_config_passes_the_check(toml):
-    """Every key of every bundled TOML lies in its declared range (``protocol_models.ranges``)."""
+    """Every key of every bundled TOML lies in its declared range (``protocol_models.tools.ranges``)."""
     load_config(str(toml), [], check_environment=False)
 
 
@@ -103,7 +103,7 @@ def test_errors_name_the_key(overrides, message):
 def test_no_silent_cpu_fallback(monkeypatch):
     """A GPU config on a machine without usable CUDA is refused with the driver's reason; a CPU
     config is accepted, and refused only in a worker that TorchTitan bound to the GPU."""
-    from protocol_models.cpu_shim import check_device
+    from protocol_models.tools.cpu_shim import check_device
 
     monkeypatch.delenv("PROTOCOL_MODELS_DEVICE", raising=False)
     with pytest.raises(
@@ -130,7 +130,7 @@ def test_production_configs_start_once_the_tokenizer_is_fetched(
     it (a tokenizer.json in hf_assets_path, here the bundled one standing in): the check passes.
     (On this CPU machine the check runs with hardware.device = 'cpu'; the Hub is not asked, and
     wandb logs offline: online it would want a key, test_cluster_start.py.)"""
-    from protocol_models.config import main
+    from protocol_models.config.run_config import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, TINY, torchrun
 
-from protocol_models import corpus, shakespeare
-from protocol_models.data import TextDataLoader, TokenStream
+from protocol_models.data import corpus, shakespeare
+from protocol_models.data.loader import TextDataLoader, TokenStream
 
 BUNDLED = REPO / shakespeare.DEFAULT_CACHE
 
@@ -203,7 +203,7 @@ def test_stages_that_read_different_ids_stop_the_run(tmp_path):
 def test_empty_documents_are_skipped_and_an_empty_shard_is_an_error(tmp_path, tokenizer):
     """Null, empty and blank texts add nothing (not even a BOS -> EOS pair), streamed or
     cached; a part without documents stops with DataError instead of looping forever."""
-    from protocol_models.errors import DataError
+    from protocol_models.tools.errors import DataError
 
     texts = ["First document.", None, "", "   \n", "Second document."]
     (tmp_path / "gaps.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -224,7 +224,7 @@ def test_empty_documents_are_skipped_and_an_empty_shard_is_an_error(tmp_path, to
 
 
 def test_validation_files_inside_the_training_files_are_refused(corpora, tmp_path):
-    from protocol_models.config import ConfigError, load_config
+    from protocol_models.config.run_config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"also in dataloader.files.*training would see"):
         load_config(None, ["--dataloader.files", str(corpora / "jsonl"), "--validator.enable",

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import REPO, TINY, torchrun
 
-from protocol_models.config import load_config
-from protocol_models.fsdp_probe import FSDP_PROBE_ENV
-from protocol_models.plan import plan_stages
-from protocol_models.subspace import leak_tolerance
+from protocol_models.cluster.fsdp_probe import FSDP_PROBE_ENV
+from protocol_models.cluster.plan import plan_stages
+from protocol_models.config.run_config import load_config
+from protocol_models.model.subspace import leak_tolerance
 
 # tests/tiny.toml: local_batch_size 4, microbatch 1, seq_len 64, d 64, k 4: 256 tokens per step
 WIRES = {

@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import REPO, TINY, torchrun
 
-from protocol_models.boundary import BOUNDARIES
-from protocol_models.config import load_config
-from protocol_models.metrics import read_jsonl
+from protocol_models.config.run_config import load_config
+from protocol_models.model.boundary import BOUNDARIES
+from protocol_models.training.metrics import read_jsonl
 from protocol_models.wire.codecs import CodecSettings, build_codec
 from protocol_models.wire.sizes import message_bytes
 

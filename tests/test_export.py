@@ -26,12 +26,14 @@ from conftest import REPO, SAMPLE_PROMPTS, TINY, VALIDATE_AT_END, torchrun
 from safetensors.torch import load_file
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
-from protocol_models import evaluate, export, fold, generate, run_record, subspace
-from protocol_models.checkpoint_files import TABLE_SHA256, CheckpointTensors
-from protocol_models.config import load_config
-from protocol_models.hf_model import load_causal_lm
-from protocol_models.metrics import read_jsonl
-from protocol_models.run_record import RunRecord
+from protocol_models.config.run_config import load_config
+from protocol_models.hf import evaluate, export, fold, generate
+from protocol_models.hf.checkpoint_files import TABLE_SHA256, CheckpointTensors
+from protocol_models.hf.hf_model import load_causal_lm
+from protocol_models.model import subspace
+from protocol_models.training import run_record
+from protocol_models.training.metrics import read_jsonl
+from protocol_models.training.run_record import RunRecord
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 MODES = {

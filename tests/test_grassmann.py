@@ -12,17 +12,17 @@ import pytest
 import torch
 from conftest import REPO, TINY, torchrun
 
-from protocol_models.grassmann import (
+from protocol_models.model.model import ModelArch, build_model_config
+from protocol_models.model.subspace import leak, leak_tolerance, make_basis_and_table
+from protocol_models.training.grassmann import (
     euclidean_grad,
     geodesic_step,
     largest_angle_deg,
     orthonormality,
     reexpress,
 )
-from protocol_models.model import ModelArch, build_model_config
-from protocol_models.optimizers import SubspaceAdamW, bind_subspace
-from protocol_models.protocol import ProtocolSettings
-from protocol_models.subspace import leak, leak_tolerance, make_basis_and_table
+from protocol_models.training.optimizers import SubspaceAdamW, bind_subspace
+from protocol_models.training.protocol import ProtocolSettings
 
 ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)
 

@@ -11,10 +11,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss, cross_entropy_loss
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
-from protocol_models.config import ConfigError, load_config
-from protocol_models.loss import ModelLoss, chunked_cross_entropy
-from protocol_models.model import ModelArch, build_model_config
-from protocol_models.protocol import ProtocolSettings
+from protocol_models.config.run_config import ConfigError, load_config
+from protocol_models.model.loss import ModelLoss, chunked_cross_entropy
+from protocol_models.model.model import ModelArch, build_model_config
+from protocol_models.training.protocol import ProtocolSettings
 
 MB, SEQ, DIM, VOCAB = 2, 13, 16, 50
 

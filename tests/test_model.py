@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol_models import subspace
-from protocol_models.layout import stage_layer_ranges
-from protocol_models.model import (
+from protocol_models.model import subspace
+from protocol_models.model.layout import stage_layer_ranges
+from protocol_models.model.model import (
     ModelArch,
     build_model_config,
 )
-from protocol_models.pipeline import split_stage
-from protocol_models.protocol import ProtocolSettings
+from protocol_models.training.protocol import ProtocolSettings
+from protocol_models.wire.pipeline import split_stage
 
 ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import torchrun
 
-from protocol_models.optimizers import Muon, newton_schulz
-from protocol_models.subspace import leak_tolerance, make_basis_and_table
+from protocol_models.model.subspace import leak_tolerance, make_basis_and_table
+from protocol_models.training.optimizers import Muon, newton_schulz
 
 
 def test_newton_schulz_commutes_with_the_basis():

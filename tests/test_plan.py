@@ -9,11 +9,8 @@ import time
 import pytest
 from conftest import REPO
 
-from protocol_models.config import load_config
-from protocol_models.emulate import emulated_link
-from protocol_models.layout import stage_layer_ranges
-from protocol_models.model import ModelArch
-from protocol_models.plan import (
+from protocol_models.cluster.emulate import emulated_link
+from protocol_models.cluster.plan import (
     GIB,
     StagePlan,
     _minimax_split,
@@ -23,6 +20,9 @@ from protocol_models.plan import (
     stage_cost,
     stage_params,
 )
+from protocol_models.config.run_config import load_config
+from protocol_models.model.layout import stage_layer_ranges
+from protocol_models.model.model import ModelArch
 from protocol_models.wire.link import transfer_seconds
 
 CONFIGS = ["llama3_8b_protocol", "llama3_8b_dense", "llama3_2b_protocol", "llama3_2b_dense"]

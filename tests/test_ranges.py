@@ -16,12 +16,12 @@ from typing import Any, Literal
 import pytest
 from conftest import TINY, config_error
 
-from protocol_models import ranges
-from protocol_models.config import default_config, load_config
-from protocol_models.optimizers import OptimizerSettings
-from protocol_models.ranges import Declaration, OneOf, Range
-from protocol_models.toml_tables import _field_types
-from protocol_models.torchtitan_ranges import TORCHTITAN_RANGES
+from protocol_models.config.run_config import default_config, load_config
+from protocol_models.config.toml_tables import _field_types
+from protocol_models.config.torchtitan_ranges import TORCHTITAN_RANGES
+from protocol_models.tools import ranges
+from protocol_models.tools.ranges import Declaration, OneOf, Range
+from protocol_models.training.optimizers import OptimizerSettings
 
 FREE_TEXT = {
     *("hf_assets_path", "dump_folder", "hf_assets_repo"),

@@ -10,16 +10,17 @@ import pytest
 import torch
 from conftest import TINY
 
-from protocol_models import plan
-from protocol_models.boundary import BOUNDARIES, BoundaryMethod
-from protocol_models.config import load_config
-from protocol_models.errors import ConfigError, require
-from protocol_models.model import ModelArch, build_model_config
-from protocol_models.optimizers import OPTIMIZERS, GuardedOptimizers, OptimizerEntry
-from protocol_models.protocol import ProtocolSettings
-from protocol_models.trainer import protocol_identity
+from protocol_models.cluster import plan
+from protocol_models.config.run_config import load_config
+from protocol_models.model.boundary import BOUNDARIES, BoundaryMethod
+from protocol_models.model.model import ModelArch, build_model_config
+from protocol_models.tools.errors import ConfigError, require
+from protocol_models.training.optimizers import OPTIMIZERS, GuardedOptimizers, OptimizerEntry
+from protocol_models.training.protocol import ProtocolSettings
+from protocol_models.training.trainer import protocol_identity
 from protocol_models.wire.codecs import CODECS, Codec, install_in_graph
-from recipes import ablation, compare
+from recipes import ablation
+from recipes.common import arms
 
 
 class Strided(Codec):
@@ -102,7 +103,7 @@ def test_a_registered_codec_is_a_mode_everywhere(toy_codec):
     assert plan.message_bytes(config) == (64 * 16 * 4, 64 * 16 * 4)
     assert plan.wire_plan(config)["ratio"] == 4
     # the recipes' byte table
-    b = compare.wire_bytes(TINY, mode)
+    b = arms.wire_bytes(TINY, mode)
     assert b["dense"] / (b["fwd"] + b["bwd"]) == 4
 
     # in-graph in a single-process run of the 2-stage layout: the hook replaces block 1's output
@@ -130,7 +131,7 @@ def test_a_registered_boundary_method_is_a_mode_everywhere(monkeypatch):
     assert plan.message_bytes(config) == (64 * 32 * 4, 64 * 32 * 4)  # [1, 64, 32] fp32
     assert [plan.boundary_weights(config, s) for s in (0, 1)] == [0, 64 * 3]
     assert plan._label(config) == "toy_half w=4"
-    b = compare.wire_bytes(TINY, mode)
+    b = arms.wire_bytes(TINY, mode)
     assert b["dense"] / (b["fwd"] + b["bwd"]) == 2
 
 

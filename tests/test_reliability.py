@@ -150,7 +150,7 @@ def test_root_cause_is_the_earliest_error_record(tmp_path):
     user error whose own line was shown is not repeated."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from protocol_models.launch import failure_summary, first_failure
+    from protocol_models.cluster.launch import failure_summary, first_failure
 
     def failure(local_rank: int, exitcode: int, message: str | None, mtime: float):
         folder = tmp_path / str(local_rank)
@@ -196,7 +196,7 @@ def test_finished_runs_exit_zero(tmp_path):
     never abort at interpreter exit after "Training completed" (a finished job must not look
     failed, or be restarted by MAX_RESTARTS). Their console shows the progress and none of
     TorchTitan's lines that are wrong here."""
-    from protocol_models.console import MISLEADING_LOG_LINES, MISLEADING_WARNINGS
+    from protocol_models.training.console import MISLEADING_LOG_LINES, MISLEADING_WARNINGS
 
     for i in range(4):
         link = ["--wan.latency_ms", "2"] if i % 2 else []

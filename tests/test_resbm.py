@@ -11,14 +11,14 @@ import torch
 from conftest import PLAN_LAYOUT, TINY, config_error
 from torch.func import functional_call
 
-from protocol_models import plan
-from protocol_models.config import load_config
-from protocol_models.model import ModelArch, build_model_config
-from protocol_models.optimizers import BLOCK_MATRICES
-from protocol_models.pipeline import split_stage
-from protocol_models.protocol import ProtocolSettings
-from protocol_models.trainer import protocol_identity
+from protocol_models.cluster import plan
+from protocol_models.config.run_config import load_config
+from protocol_models.model.model import ModelArch, build_model_config
+from protocol_models.training.optimizers import BLOCK_MATRICES
+from protocol_models.training.protocol import ProtocolSettings
+from protocol_models.training.trainer import protocol_identity
 from protocol_models.wire.meter import WireMeter
+from protocol_models.wire.pipeline import split_stage
 from protocol_models.wire.sizes import message_bytes
 
 ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)

@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import PLAN_LAYOUT, TINY, config_error
 
-from protocol_models import plan
-from protocol_models.config import load_config
-from protocol_models.mapl import MaplCodec
-from protocol_models.mapl_sync import BoundarySync
-from protocol_models.model import ModelArch, build_model_config
-from protocol_models.protocol import ProtocolSettings
-from protocol_models.trainer import protocol_identity
+from protocol_models.cluster import plan
+from protocol_models.config.run_config import load_config
+from protocol_models.model.mapl import MaplCodec
+from protocol_models.model.model import ModelArch, build_model_config
+from protocol_models.training.mapl_sync import BoundarySync
+from protocol_models.training.protocol import ProtocolSettings
+from protocol_models.training.trainer import protocol_identity
 from protocol_models.wire import codec_for
 from protocol_models.wire.codecs import apply_boundary, install_in_graph
 from protocol_models.wire.rvq import ResidualVQ, quantize, reconstruct, residuals

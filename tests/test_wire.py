@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import read_jsonl, torchrun
 
-from protocol_models.subspace import leak_tolerance
+from protocol_models.model.subspace import leak_tolerance
 
 # tests/tiny.toml: local_batch_size 4, microbatch 1, seq_len 64, d 64, k 4, fp32
 N_MB, MB, SEQ, DIM, K, FP32 = 4, 1, 64, 64, 4, 4

@@ -6,7 +6,9 @@
 * ``message``: one packed message per microbatch and direction;
 * ``link``: the slow-link simulator (``[wan]``);
 * ``transport``: receive posting (``[transport]``) and the TCP settings a long link needs;
-* ``sizes``: the one size model of a boundary message, for every mode.
+* ``sizes``: the one size model of a boundary message, for every mode;
+* ``pipeline``: the model spec's pipelining and parallelize functions, which split the model
+  into stages and put the wire between them.
 
 ``Wire`` bundles the parts one run uses, built once from its config.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol_models.boundary import BOUNDARIES
+from protocol_models.model.boundary import BOUNDARIES
 from protocol_models.wire.codecs import CODECS, Codec, build_codec
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.meter import WireMeter, ring_rounds
@@ -23,7 +25,7 @@ from protocol_models.wire.rvq import ResidualVQ
 
 
 def modes() -> list[str]:
-    """Every ``[protocol] mode``: the boundary methods (``protocol_models.boundary``: the wire
+    """Every ``[protocol] mode``: the boundary methods (``protocol_models.model.boundary``: the wire
     carries the stage output as it is), then the registered lossy codecs."""
     return [*BOUNDARIES, *CODECS]
 

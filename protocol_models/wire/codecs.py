@@ -66,10 +66,10 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from protocol_models import subspace
-from protocol_models.errors import ConfigError, require
-from protocol_models.layout import stage_layer_ranges
-from protocol_models.ranges import AT_LEAST_1, SEED, Ranges
+from protocol_models.model import subspace
+from protocol_models.model.layout import stage_layer_ranges
+from protocol_models.tools.errors import ConfigError, require
+from protocol_models.tools.ranges import AT_LEAST_1, SEED, Ranges
 
 INDEX_DTYPE = torch.int16
 """TopK indices on the wire (``d <= 32768``)."""

@@ -39,8 +39,8 @@ from typing import ClassVar
 
 import torch
 
-from protocol_models.errors import require
-from protocol_models.ranges import AT_LEAST_0, Range, Ranges
+from protocol_models.tools.errors import require
+from protocol_models.tools.ranges import AT_LEAST_0, Range, Ranges
 
 
 @dataclass(kw_only=True, slots=True)

@@ -4,7 +4,7 @@ and direction, and the collectives that cross the pipeline's links.
 Boundary ``b`` sits between stage ``b`` and stage ``b + 1``. Each stage counts what it sends
 (bytes, messages), how long it waited for what it received (from posting the receive to
 holding the data) and the collectives it joined over the pipeline group;
-``protocol_models.metrics`` agrees the counters over the pipeline group at every log step.
+``protocol_models.training.metrics`` agrees the counters over the pipeline group at every log step.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class WireMeter:
     dense: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     sync: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     """Bytes a learned boundary sends to keep its two sides' parameters identical
-    (``protocol_models.mapl_sync``), apart from the activations."""
+    (``protocol_models.training.mapl_sync``), apart from the activations."""
     messages: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     """Messages sent, per (direction, boundary): one per microbatch and direction."""
     wait_s: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))

@@ -2,7 +2,7 @@
 
 A message carries one microbatch ``[mb, seq, d]`` across one boundary in one direction:
 
-* a boundary method (``protocol_models.boundary``): the stage output in the compute dtype,
+* a boundary method (``protocol_models.model.boundary``): the stage output in the compute dtype,
   ``BoundaryMethod.width`` features per token (``subspace``: the k coordinates ``c``, or with
   ``[codec] bits`` their quantized payload; ``dense``: the stream ``x``, d wide; ``resbm``: the
   bottleneck ``b``, h wide);
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from protocol_models.boundary import BOUNDARIES
+from protocol_models.model.boundary import BOUNDARIES
 from protocol_models.wire.codecs import Codec
 
 

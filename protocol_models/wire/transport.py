@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from protocol_models.ranges import Range, Ranges
+from protocol_models.tools.ranges import Range, Ranges
 
 SYSCTL_ROOT = Path("/proc/sys")
 

@@ -30,37 +30,37 @@ import time
 import torch
 import torch.distributed as dist
 
-import protocol_models.fsdp_probe
-import protocol_models.grassmann
-import protocol_models.mapl_sync
-import protocol_models.metrics
-import protocol_models.model
-import protocol_models.optimizers
-import protocol_models.trainer
+import protocol_models.cluster.fsdp_probe
+import protocol_models.model.model
+import protocol_models.training.grassmann
+import protocol_models.training.mapl_sync
+import protocol_models.training.metrics
+import protocol_models.training.optimizers
+import protocol_models.training.trainer
 import protocol_models.wire.norm_exchange
 import protocol_models.wire.stage
 
 SCOPED = {
-    protocol_models.metrics.ProtocolMetricsProcessor: (
+    protocol_models.training.metrics.ProtocolMetricsProcessor: (
         "_from_last_stage",
         "_agree_over_pipeline",
     ),
     protocol_models.wire.norm_exchange.NormExchange: ("post", "global_norm"),
-    protocol_models.optimizers.GuardedOptimizers: ("_gradients_finite",),
-    protocol_models.grassmann.SubspaceTracker: ("_update",),
-    protocol_models.mapl_sync.BoundarySync: ("sum_gradients", "metrics"),
+    protocol_models.training.optimizers.GuardedOptimizers: ("_gradients_finite",),
+    protocol_models.training.grassmann.SubspaceTracker: ("_update",),
+    protocol_models.training.mapl_sync.BoundarySync: ("sum_gradients", "metrics"),
     protocol_models.wire.stage.WirePipelineStage: (
         "get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops",
         "_post_step",
     ),
-    protocol_models.fsdp_probe: ("time_collectives",),
+    protocol_models.cluster.fsdp_probe: ("time_collectives",),
 }  # fmt: skip
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "reduce_scatter_tensor", "reduce_scatter_single", "send", "recv", "batch_isend_irecv")  # fmt: skip
 POINT_TO_POINT = ("send", "recv", "batch_isend_irecv")
 """(``isend``/``irecv`` stay unwrapped: ``P2POp`` checks their identity; the pipeline's
 point-to-point ops are checked in ``batch_isend_irecv``.)"""
-PLUGIN_DIR = os.path.dirname(protocol_models.metrics.__file__)
+PLUGIN_DIR = os.path.dirname(protocol_models.__file__)
 scoped_names = {name for names in SCOPED.values() for name in names}
 
 
@@ -155,7 +155,7 @@ for cls, names in SCOPED.items():
         setattr(cls, method_name, _scoped(getattr(cls, method_name)))
 for collective_name in COLLECTIVES:
     setattr(dist, collective_name, _checked(collective_name, getattr(dist, collective_name)))
-trainer_class = protocol_models.trainer.ProtocolTrainer
+trainer_class = protocol_models.training.trainer.ProtocolTrainer
 trainer_class.train_step = _counted_steps(trainer_class.train_step)
 stage_class = protocol_models.wire.stage.WirePipelineStage
 post_next_forward = stage_class.post_next_forward
@@ -207,5 +207,5 @@ def _slow_first_forward(forward):
     return run
 
 
-model_class = protocol_models.model.ProtocolModel
+model_class = protocol_models.model.model.ProtocolModel
 model_class.forward = _slow_first_forward(model_class.forward)

@@ -1,0 +1,654 @@
+"""Dry-run planner: check a layout before paying for GPUs.
+
+    python -m protocol_models.plan --toml FILE [--bandwidth-mbps B] [--latency-ms L] [--mfu F]
+        [--propose-split] [overrides]
+
+Builds the model on the meta device (no weights, no GPU), splits it into the configured pipeline
+stages exactly as a run would (``stage_layer_ranges``, ``[protocol] layers_per_stage``), and
+prints per stage: parameters, the memory terms below, whether the stage fits ``[hardware]
+usable_memory_gib``, its FLOPs and compute time per step; then the wire bytes per boundary and the
+predicted step time and tokens/s of the configured model next to its twin (dense for a subspace or
+lossy mode, subspace for dense) on the same layout and link; and a balanced ``layers_per_stage``
+(``--propose-split``, or unasked when it beats the configured split by 5% or fits where it does
+not). Exits 1 if a stage does not fit, 2 on a bad config.
+
+Memory, bytes per GPU of stage ``s`` at the start of the backward (every in-flight microbatch's
+activations alive). ``P``: the stage's parameters; ``D``: ``data_parallel_shard_degree``; ``a``:
+bytes of ``mixed_precision_param`` (2 for bf16); ``T``: tokens per microbatch; ``M``: microbatches
+per step; ``n``: microbatches in flight (GPipe: ``M``; 1F1B: ``min(M, S - s)``); ``d``, ``kv``,
+``h``, ``H``, ``V``, ``k``: width, key/value width, SwiGLU width, heads, vocabulary, subspace rank
+(ResBM's bottleneck width in ``resbm`` mode).
+
+* state ``(8 + o) P / D``: fp32 parameters and gradients and ``o`` bytes of optimizer state per
+  parameter (the optimizer's ``OptimizerEntry.state_bytes``: 8 for AdamW's two fp32 moments, an
+  upper bound for the others), FSDP-sharded (an upper bound by ``4 P / D``: TorchTitan frees
+  the sharded gradients between steps);
+* unsharded ``(a + 4) P``: TorchTitan applies FSDP at every degree (1 included) and under
+  pipeline parallelism does not reshard after the forward
+  (``get_fsdp_reshard_after_forward_policy``); the pipeline's backward keeps the parameters
+  unsharded and accumulates unsharded fp32 gradients until the last microbatch
+  (``backward_maybe_with_nosync``). So the stage's compute-dtype parameters and fp32 gradients
+  exist in full, whatever ``D`` and ``fsdp_reshard_after_forward`` are;
+* activations, per token of the ``n T`` in flight, per block: without checkpointing
+  ``a (7 d + 2 kv + 4 h) + 4 H`` (block input, attention-norm output, q, k, v, attention output
+  and its contiguous copy, residual, FFN-norm output, w1, w3 and SiLU outputs and their product;
+  the fp32 log-sum-exp per head); ``selective``: ``a (2 d + o) + 4 H`` (block input, attention
+  output, log-sum-exp, and ``o``, the output widths of the 1st, 3rd, ... matmul in execution
+  order wq, wk, wv, wo, [U lift], w1, w3, w2, [U lift]: TorchTitan saves every second one);
+  ``full``: ``a d`` (block input). Plus ``a w`` per token for the stage output kept for its
+  backward (``w``: the boundary method's message width, ``boundary.BoundaryMethod.width``: k for
+  subspace and resbm, else d) or, on the last stage, ``2 a d`` (final-norm input and output); plus,
+  with checkpointing, one block's uncheckpointed set for one microbatch (the recompute). ResBM's
+  encoder and decoder activations (``h + 2 d`` per token and boundary) are not counted;
+* logits, last stage: ``(a + 4) V`` per in-flight token (the logits the stage keeps and the fp32
+  log-softmax autograd saves) plus ``8 V T`` (one microbatch's fp32 gradients); with ``[model]
+  loss_chunk_tokens = N``: ``(a + 12) V min(N, T)`` (one chunk's logits, fp32 copy, log-softmax
+  and gradients) plus ``(4 + a) V d`` (the head gradient's fp32 accumulator and its cast);
+* F and U (subspace): ``V d`` in ``protocol.table_dtype`` and ``4 d k``;
+* CUDA context: 1 GiB (CUDA, cuBLAS and NCCL on the GPU before the first tensor).
+
+A stage fits when ``1.10 x`` the sum is at most ``usable_memory_gib`` (the 10%: allocator
+fragmentation, communication buffers).
+
+Compute, FLOPs per step on one GPU of the stage, ``B = local_batch_size x seq_len`` tokens:
+``6 W B`` for ``W``, the weights of the stage's matmuls (its blocks' Linears, the boundary
+method's added weights ``boundary_weights`` -- ResBM's encoder ``d h`` before and decoder ``h d``
+after a boundary -- and the LM head; the embedding is a lookup), plus ``12 L d seq B`` for the
+attention of its ``L`` blocks (QK^T and AV, forward and backward, without the causal half, as
+TorchTitan counts MFU), plus the recompute: ``full`` repeats the blocks' forward
+(``2 W_blocks B + 4 L d seq B``, boundary weights included), ``selective`` the matmuls it does not
+save (``2 W_recomputed B``), and with ``loss_chunk_tokens`` the last stage's logits again in the
+backward (``2 V d B``). Not counted: norms, RoPE and the k-wide U lifts (< 0.2%), the lossy
+codecs, ResBM's encoder and decoder in the selective recompute. Seconds = FLOPs / (``--mfu`` x
+``[hardware] peak_tflops``); the forward is ``2 W T + 4 L d seq T`` per microbatch, the backward
+the rest.
+
+Step time: GPipe runs every microbatch forward through the S stages and S - 1 links, then
+backward. A link is a server of its own: a microbatch message of ``m`` bytes occupies it for
+``w = 8 R m' / bandwidth`` (``m'``: the bytes with their TCP/IP headers; the ``R`` data-parallel
+replicas of a boundary share the link) and arrives one latency ``L`` after it left; messages
+queued back to back overlap their latencies, as ``protocol_models.wire.link`` simulates (sizes:
+``wire.sizes.message_bytes``). With pre-posted receives (``[transport] prepost_receives``, the
+default) every receive is posted before its message is sent, so a pass over servers with
+per-microbatch times ``t_i`` takes ``sum(stage t_i) + links (w + L) + (M - 1) max(t_i, w)``:
+with no link and equal stages ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
+Without pre-posting, gloo's receiver-driven transport has a stage post its next receive only
+after computing the previous microbatch, and the sender writes only once that receive's notice
+crossed the link, so a link and the stage it feeds serve a microbatch together in ``L + w + L +
+the stage's compute`` (``wire.link.rendezvous_period``). Step = forward pass + backward pass
+(1F1B has the same bubble and is predicted alike) + the collectives across the pipeline: none
+with ``[transport] exchange_grad_norm`` (the norm's exchange overlaps the next step's fill, and
+a log step's metrics travel with it unless a loss is reduced over data- or context-parallel
+replicas or MAPL's boundary sync runs, when they take one all-gather of ``S - 1`` latency rounds
+every ``log_freq`` steps); without it,
+TorchTitan's gradient-norm all-reduce, ``2 (S - 1)`` rounds, and the all-gather every log step
+(``wire.meter.ring_rounds``); plus, for a method whose boundary stages exchange weights'
+gradients before the optimizer step (MAPL: ``sync_bytes``), one transfer of the larger
+direction, every boundary at once. The prediction is printed as its terms: ``compute`` (``M``
+times the slowest stage's per-microbatch forward, and backward), ``bubble`` (the other stages'
+share of the passes: the pipeline's fill and drain), ``latency`` (the fill and drain's ``2 (S -
+1) L``), ``bytes`` (serialization: each pass's first message per link, and a link slower than
+every stage) and ``collectives``. FSDP's collectives inside a region and the optimizer step are
+not counted.
+
+Proposed split: over the ``layers_per_stage`` whose every stage fits, the one with the smallest
+busiest-stage compute time per step (a stage's blocks are constrained unless it is the last;
+the first holds the embedding, the last the norm and LM head), then the smallest largest-stage
+memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+from protocol_models.config.run_config import load_config, split_argv
+from protocol_models.model.boundary import BOUNDARIES, label
+from protocol_models.model.layout import stage_layer_ranges
+from protocol_models.model.model import build_model_config
+from protocol_models.tools.errors import UserError
+from protocol_models.training.optimizers import OPTIMIZERS
+from protocol_models.wire import codec_for
+from protocol_models.wire.link import rendezvous_period, serialization_seconds, transfer_seconds
+from protocol_models.wire.meter import ring_rounds
+from protocol_models.wire.pipeline import split_stage
+from protocol_models.wire.sizes import message_bytes as boundary_message_bytes
+
+GIB = 1024**3
+MARGIN = 1.10
+CUDA_CONTEXT = 1 * GIB
+UNBALANCED = 0.05
+"""Print a proposed split unasked when it cuts the busiest stage's compute time by this much."""
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One matmul of a block, ``[tokens, fan_in] x [fan_in, fan_out]``; ``weight``: False for
+    the U lifts (a frozen buffer, not a parameter)."""
+
+    fan_in: int
+    fan_out: int
+    weight: bool = True
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage: its blocks, parameters, memory terms (bytes per GPU, before the
+    margin) and FLOPs per microbatch on one GPU (backward including the recompute)."""
+
+    stage: int
+    layers: range
+    params: int
+    memory: dict[str, float]
+    fwd_flops: float
+    bwd_flops: float
+
+    @property
+    def total_bytes(self) -> float:
+        """What must fit ``usable_memory_gib``: the terms with the 10% margin."""
+        return sum(self.memory.values()) * MARGIN
+
+
+def block_matmuls(config, factored: bool) -> list[Matmul]:
+    """A block's matmuls in execution order; ``factored``: wo and w2 output k coordinates and
+    each branch is lifted by ``@ U.T``."""
+    arch, k = config.model, config.protocol.k
+    d, hidden = arch.dim, arch.hidden_dim
+    kv = (arch.n_kv_heads or arch.n_heads) * (d // arch.n_heads)
+    out = k if factored else d
+    lift = [Matmul(k, d, weight=False)] if factored else []
+    attention = [Matmul(d, d), Matmul(d, kv), Matmul(d, kv), Matmul(d, out)]
+    feed_forward = [Matmul(d, hidden), Matmul(d, hidden), Matmul(hidden, out)]
+    return attention + lift + feed_forward + lift
+
+
+def _factored_model(config) -> bool:
+    """Whether the model's upstream blocks and embedding are k-wide factors (as
+    ``build_model_config`` decides)."""
+    protocol = config.protocol
+    return (
+        protocol.mode == "subspace"
+        and config.layout_stages > 1
+        and protocol.parametrization == "factor"
+    )
+
+
+def boundary_weights(config, stage: int) -> int:
+    """Weights the boundary method adds to ``stage``: its ``sender_weights`` unless the stage is
+    the last, its ``receiver_weights`` unless it is the first (ResBM: encoder, decoder)."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    if method is None:
+        return 0
+    d, protocol = config.model.dim, config.protocol
+    shapes = method.sender_weights(d, protocol) if stage < config.layout_stages - 1 else []
+    shapes += method.receiver_weights(d, protocol) if stage > 0 else []
+    return sum(fan_in * fan_out for fan_in, fan_out in shapes)
+
+
+def boundary_lookups(config, stage: int) -> int:
+    """Table parameters the boundary method adds to ``stage`` (MAPL's anchor tables ``P``), one
+    per boundary side the stage holds."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    if method is None:
+        return 0
+    sides = (stage < config.layout_stages - 1) + (stage > 0)
+    return sides * method.lookups(config.model.vocab_size, config.protocol)
+
+
+def boundary_width(config) -> int:
+    """Features per token of a boundary message (a lossy codec compresses the d-wide stream)."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    d = config.model.dim
+    return method.width(d, config.protocol.k) if method is not None else d
+
+
+def stage_params(config, stage: int, n_blocks: int) -> int:
+    """Closed-form parameters of ``stage`` holding ``n_blocks`` blocks."""
+    arch = config.model
+    d, v = arch.dim, arch.vocab_size
+    last = stage == config.layout_stages - 1
+    factored = _factored_model(config)
+    matmuls = block_matmuls(config, factored and not last)
+    block = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
+    params = n_blocks * (block + 2 * d) + boundary_weights(config, stage)  # + 2 RMSNorm weights
+    params += boundary_lookups(config, stage)
+    if stage == 0:
+        params += v * (config.protocol.k if factored else d)
+    if last:
+        params += d + d * v  # final norm, LM head
+    return params
+
+
+def stage_cost(
+    config, stage: int, n_blocks: int, params: int
+) -> tuple[dict[str, float], float, float]:
+    """``(memory terms in bytes, forward FLOPs, backward FLOPs)`` per GPU of ``stage`` holding
+    ``n_blocks`` blocks and ``params`` parameters; FLOPs per microbatch of ``mb x seq`` tokens,
+    the backward's including the recompute (the module docstring has the formulas)."""
+    arch, protocol, par = config.model, config.protocol, config.parallelism
+    n_stages, last = config.layout_stages, stage == config.layout_stages - 1
+    a, n_mb, tokens = _microbatching(config)
+    d, v, heads, seq = arch.dim, arch.vocab_size, arch.n_heads, config.training.seq_len
+    kv = (arch.n_kv_heads or arch.n_heads) * (d // heads)
+    subspace = protocol.mode == "subspace" and n_stages > 1
+    matmuls = block_matmuls(config, _factored_model(config) and not last)
+    weights = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
+    in_flight = n_mb
+    if par.pipeline_parallel_schedule == "1F1B":
+        in_flight = min(n_mb, n_stages - stage)
+
+    unsaved = a * (7 * d + 2 * kv + 4 * arch.hidden_dim) + 4 * heads
+    ac = config.activation_checkpoint
+    recompute_flops = 0.0
+    if isinstance(ac, FullAC.Config):
+        kept = a * d
+        blocks_fwd = n_blocks * (2 * weights + 4 * d * seq) + 2 * boundary_weights(config, stage)
+        recompute_flops = blocks_fwd * tokens
+    elif isinstance(ac, SelectiveAC.Config):
+        kept = a * (2 * d + sum(m.fan_out for m in matmuls[::2])) + 4 * heads
+        recomputed = sum(m.fan_in * m.fan_out for m in matmuls[1::2] if m.weight)
+        recompute_flops = n_blocks * 2 * recomputed * tokens
+    else:
+        kept = unsaved
+    per_token = n_blocks * kept + (2 * a * d if last else a * boundary_width(config))
+    recompute = tokens * unsaved if ac is not None and n_blocks else 0
+    activations = in_flight * tokens * per_token + recompute
+
+    logits = 0.0
+    if last:
+        chunk = getattr(arch, "loss_chunk_tokens", 0)
+        if chunk:
+            logits = (a + 12) * v * min(chunk, tokens) + (4 + a) * v * d
+        else:
+            logits = (a + 4) * v * in_flight * tokens + 8 * v * tokens
+    table_bytes = 2 if protocol.table_dtype == "bfloat16" else 4
+    state = 8 + OPTIMIZERS[config.optimizer.name].state_bytes
+    memory = {
+        f"state {state}P/D": state * params / max(par.data_parallel_shard_degree, 1),
+        "unsharded": (a + 4) * params,
+        "activations": activations,
+        "logits": logits,
+        "F and U": v * d * table_bytes + 4 * d * protocol.k if subspace else 0.0,
+        "context": CUDA_CONTEXT,
+    }
+    matmul_weights = n_blocks * weights + boundary_weights(config, stage) + (v * d if last else 0)
+    attention = n_blocks * 4 * d * seq * tokens
+    fwd = 2 * matmul_weights * tokens + attention
+    if last and getattr(arch, "loss_chunk_tokens", 0):
+        recompute_flops += 2 * v * d * tokens  # the chunked loss recomputes the logits
+    return memory, fwd, 2 * fwd + recompute_flops
+
+
+def plan_stages(config) -> list[StagePlan]:
+    """Per-stage parameters (from a meta-device model split as a run splits it), memory and
+    FLOPs of ``config``'s layout."""
+    stages = config.layout_stages
+    with torch.device("meta"):
+        model = build_model_config(config.model, config.protocol, stages).build()
+    ranges = stage_layer_ranges(config.model.n_layers, stages, config.protocol.layers_per_stage)
+    plans = []
+    for s, layers in enumerate(ranges):
+        params = sum(p.numel() for p in split_stage(model, s, stages).parameters())
+        memory, fwd, bwd = stage_cost(config, s, len(layers), params)
+        plans.append(StagePlan(s, layers, params, memory, fwd, bwd))
+    return plans
+
+
+def propose_split(config, mfu: float) -> tuple[list[int], float, float] | None:
+    """The balanced ``layers_per_stage`` (module docstring) as ``(split, busiest stage's compute
+    seconds per step, largest stage's bytes with the margin)``, or None if no split fits."""
+    n_layers, n_stages = config.model.n_layers, config.layout_stages
+    limit = config.hardware.usable_memory_gib * GIB
+    _, n_mb, _ = _microbatching(config)
+    costs: dict[tuple[int, int], tuple[float, float]] = {}
+    for s in range(n_stages):
+        for n in range(1, n_layers - n_stages + 2):
+            memory, fwd, bwd = stage_cost(config, s, n, stage_params(config, s, n))
+            seconds = _compute_seconds(config, n_mb * (fwd + bwd), mfu)
+            costs[s, n] = (seconds, sum(memory.values()) * MARGIN)
+
+    def seconds(s: int, n: int) -> float:
+        time, total = costs[s, n]
+        return time if total <= limit else math.inf
+
+    fastest = _minimax_split(n_layers, n_stages, seconds)
+    if fastest is None:
+        return None
+
+    def memory(s: int, n: int) -> float:
+        time, total = costs[s, n]
+        return total if total <= limit and time <= fastest[0] * (1 + 1e-9) else math.inf
+
+    largest, split = _minimax_split(n_layers, n_stages, memory)
+    return split, fastest[0], largest
+
+
+def _minimax_split(
+    n_layers: int, n_stages: int, cost: Callable[[int, int], float]
+) -> tuple[float, list[int]] | None:
+    """The split of ``n_layers`` blocks (each stage >= 1) minimizing ``max_s cost(s, n_s)``
+    (``inf``: not allowed), by dynamic programming over (stages, blocks placed)."""
+    best = [[math.inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    choice = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for placed in range(s, n_layers - (n_stages - s) + 1):
+            for n in range(1, placed - s + 2):
+                value = max(best[s - 1][placed - n], cost(s - 1, n))
+                if value < best[s][placed]:
+                    best[s][placed], choice[s][placed] = value, n
+    if math.isinf(best[n_stages][n_layers]):
+        return None
+    split, placed = [], n_layers
+    for s in range(n_stages, 0, -1):
+        split.append(choice[s][placed])
+        placed -= choice[s][placed]
+    return best[n_stages][n_layers], split[::-1]
+
+
+def twin(config):
+    """``config`` with the other model on the same layout: dense for a subspace or lossy mode,
+    subspace (at ``protocol.k``) for dense."""
+    other = copy.copy(config)
+    mode = "subspace" if config.protocol.mode == "dense" else "dense"
+    other.protocol = dataclasses.replace(config.protocol, mode=mode)
+    return other
+
+
+def message_bytes(config) -> tuple[int, int]:
+    """Bytes of one microbatch's forward and backward message at a boundary
+    (``wire.sizes.message_bytes`` at the ``[mb, seq, d]`` boundary in the compute dtype)."""
+    arch, protocol = config.model, config.protocol
+    act_bytes, _, _ = _microbatching(config)
+    codec = codec_for(config)
+    shape = (config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len,
+             arch.dim)  # fmt: skip
+    dtype = torch.bfloat16 if act_bytes == 2 else torch.float32
+    return tuple(
+        boundary_message_bytes(protocol.mode, shape, dtype, direction, k=protocol.k, codec=codec)
+        for direction in ("fwd", "bwd")
+    )
+
+
+def sync_bytes(config) -> tuple[int, int]:
+    """Bytes a boundary's two stages exchange once per step apart from the activations (each
+    direction, one data-parallel replica; ``boundary.BoundaryMethod.sync_values``, fp32)."""
+    method = BOUNDARIES.get(config.protocol.mode)
+    if method is None:
+        return 0, 0
+    values = method.sync_values(config.model.dim, config.model.vocab_size, config.protocol)
+    return tuple(4 * v for v in values)
+
+
+def wire_plan(config) -> dict:
+    """Bytes per step at each boundary (both directions, all data-parallel replicas), the
+    configured mode's activations and dense's, and the mode's per-step exchange apart from the
+    activations (``sync_bytes``; in no ratio)."""
+    act_bytes, n_mb, tokens = _microbatching(config)
+    replicas = config.replicas
+    fwd, bwd = message_bytes(config)
+    dense = 2 * n_mb * replicas * tokens * config.model.dim * act_bytes
+    per_boundary = n_mb * replicas * (fwd + bwd)
+    return {
+        "message_bytes": fwd,
+        "per_boundary_bytes": per_boundary,
+        "dense_per_boundary_bytes": dense,
+        "ratio": dense / per_boundary,
+        "sync_per_boundary_bytes": replicas * sum(sync_bytes(config)),
+    }
+
+
+def predict_step(
+    config, plans: list[StagePlan], bandwidth_mbps: float | None, latency_ms: float, mfu: float
+) -> dict:
+    """The predicted step of ``plans`` (module docstring: per-stage compute per microbatch, the
+    links as pipeline servers, a forward then a backward pass, the collectives), as seconds:
+    ``busiest_compute_s`` (the busiest stage's compute per step), ``link_s`` (one forward
+    message on a link), the terms ``compute_s``, ``bubble_s``, ``latency_s``, ``bytes_s``,
+    ``collectives_s`` and their sum ``step_s``; and ``tokens_per_s`` over all data-parallel
+    replicas."""
+    _, n_mb, _ = _microbatching(config)
+    replicas, transport = config.replicas, config.transport
+    bandwidth_bps = bandwidth_mbps * 1e6 if bandwidth_mbps else math.inf
+    latency = latency_ms / 1e3
+    terms = dict.fromkeys(("compute_s", "bubble_s", "latency_s", "bytes_s", "collectives_s"), 0.0)
+
+    def wire_seconds(nbytes: int) -> float:
+        return serialization_seconds(replicas * nbytes, bandwidth_bps)
+
+    def one_pass(stage_seconds: list[float], nbytes: int) -> None:
+        """Add one pass over ``stage_seconds`` (in the order it visits them) to ``terms``."""
+        links, wire, slowest = len(stage_seconds) - 1, wire_seconds(nbytes), max(stage_seconds)
+        terms["compute_s"] += n_mb * slowest
+        terms["bubble_s"] += sum(stage_seconds) - slowest
+        terms["latency_s"] += links * latency
+        if transport.prepost_receives:
+            terms["bytes_s"] += links * wire + (n_mb - 1) * max(0.0, wire - slowest)
+            return
+        periods = [rendezvous_period(wire + latency, latency, t) for t in stage_seconds[1:]]
+        terms["bytes_s"] += links * wire  # the rest of the rendezvous stall counts as latency
+        terms["latency_s"] += (n_mb - 1) * max([0.0, *(p - slowest for p in periods)])
+
+    fwd_msg, bwd_msg = message_bytes(config)
+    fwd = [_compute_seconds(config, p.fwd_flops, mfu) for p in plans]
+    bwd = [_compute_seconds(config, p.bwd_flops, mfu) for p in plans]
+    one_pass(fwd, fwd_msg)
+    one_pass(bwd[::-1], bwd_msg)
+    terms["collectives_s"] = collective_rounds_per_step(config) * latency
+    if any(sync_bytes(config)):  # every boundary's exchange at once, before the optimizer step
+        terms["collectives_s"] += transfer_seconds(
+            replicas * max(sync_bytes(config)), bandwidth_bps, latency
+        )
+    step = sum(terms.values())
+    tokens = replicas * config.training.local_batch_size * config.training.seq_len
+    return {
+        "busiest_compute_s": n_mb * max(f + b for f, b in zip(fwd, bwd, strict=True)),
+        "link_s": wire_seconds(fwd_msg) + latency,
+        **terms,
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+    }
+
+
+def collective_rounds_per_step(config) -> float:
+    """Latency rounds of the collectives across the pipeline on a step's critical path, on
+    average (module docstring): the gradient norm's all-reduce unless it is exchanged, and a
+    log step's all-gather (every ``log_freq`` steps) unless its rows travel with the exchange
+    (``ProtocolTrainer._rows_travel_with_norm``)."""
+    stages = config.layout_stages
+    if stages < 2:
+        return 0.0
+    exchanged = config.transport.exchange_grad_norm
+    rounds = 0.0 if exchanged else ring_rounds("all_reduce", stages)
+    reduced_loss = config.replicas > 1 or config.parallelism.context_parallel_degree > 1
+    mapl = config.protocol.mode == "mapl"  # its boundary sync meters bytes after the exchange
+    if not exchanged or reduced_loss or mapl:
+        rounds += ring_rounds("all_gather", stages) / config.metrics.log_freq
+    return rounds
+
+
+def _compute_seconds(config, flops: float, mfu: float) -> float:
+    return flops / (mfu * config.hardware.peak_tflops * 1e12)
+
+
+def _microbatching(config) -> tuple[int, int, int]:
+    """(bytes per activation element, microbatches per step, tokens per microbatch)."""
+    training, par = config.training, config.parallelism
+    act_bytes = 2 if training.mixed_precision_param == "bfloat16" else 4
+    mb = par.pipeline_parallel_microbatch_size
+    return act_bytes, training.local_batch_size // mb, mb * training.seq_len
+
+
+def _label(config) -> str:
+    """The mode's label, with its bits where its codec quantizes (not the dense twin's)."""
+    protocol, bits = config.protocol, config.codec.bits
+    quantized = bits and getattr(codec_for(config), "bits", None) == bits
+    return label(protocol.mode, protocol.k) + (f" {bits}-bit" if quantized else "")
+
+
+def render(
+    config,
+    plans: list[StagePlan],
+    wire: dict,
+    predictions: dict[str, dict],
+    bandwidth_mbps: float | None,
+    latency_ms: float,
+    mfu: float,
+) -> str:
+    """The planner's report: layout, the per-stage table, wire bytes, predicted step times."""
+    hw, par, arch = config.hardware, config.parallelism, config.model
+    dp = config.replicas
+    world = config.layout_stages * dp * par.tensor_parallel_degree
+    _, n_mb, _ = _microbatching(config)
+    ac = config.activation_checkpoint
+    ac_name = {FullAC.Config: "full", SelectiveAC.Config: "selective"}.get(type(ac), "none")
+    lines = [
+        f"model: d={arch.dim}, {arch.n_layers} layers, vocab {arch.vocab_size}, {_label(config)}",
+        f"total parameters: {sum(p.params for p in plans):,}",
+        f"layout: {config.layout_stages} pipeline stages x {dp} data-parallel = {world} GPUs "
+        f"({hw.gpus_per_node} per node, {hw.usable_memory_gib:g} GiB usable and "
+        f"{hw.peak_tflops:g} TFLOP/s peak each); blocks per stage "
+        f"{[len(p.layers) for p in plans]}; {n_mb} microbatches of "
+        f"{par.pipeline_parallel_microbatch_size} x {config.training.seq_len} tokens, "
+        f"{par.pipeline_parallel_schedule}, activation_checkpoint {ac_name}, "
+        f"loss_chunk_tokens {getattr(arch, 'loss_chunk_tokens', 0)}",
+        "",
+        "memory per GPU in GiB (fits: total incl. CUDA context x 1.10 <= "
+        f"{hw.usable_memory_gib:g}); compute per GPU per step at MFU {mfu:g}",
+        "",
+        "| stage | layers | ranks (nodes) | params | "
+        + " | ".join(plans[0].memory)
+        + " | total x1.10 | fits | TFLOP/step | compute s/step |",
+        "|---" * (8 + len(plans[0].memory)) + "|",
+    ]
+    for p in plans:
+        first_rank = p.stage * dp * par.tensor_parallel_degree
+        last_rank = first_rank + dp * par.tensor_parallel_degree - 1
+        nodes = f"{first_rank // hw.gpus_per_node}-{last_rank // hw.gpus_per_node}"
+        fits = p.total_bytes <= hw.usable_memory_gib * GIB
+        mem = " | ".join(f"{v / GIB:.2f}" for v in p.memory.values())
+        flops = n_mb * (p.fwd_flops + p.bwd_flops)
+        lines.append(
+            f"| {p.stage} | {p.layers.start}-{p.layers.stop - 1} "
+            f"| {first_rank}-{last_rank} ({nodes}) | {p.params:,} | {mem} "
+            f"| {p.total_bytes / GIB:.2f} | {'yes' if fits else 'NO'} "
+            f"| {flops / 1e12:,.1f} | {_compute_seconds(config, flops, mfu):.2f} |"
+        )
+    stages = config.layout_stages
+    link = f"{bandwidth_mbps:g} Mbit/s" if bandwidth_mbps else "unlimited bandwidth"
+    lines += [
+        "",
+        f"wire per boundary per step (fwd + bwd, all {dp} data-parallel replicas): "
+        f"{wire['per_boundary_bytes'] / 1e6:,.1f} MB ({config.protocol.mode}) vs "
+        f"{wire['dense_per_boundary_bytes'] / 1e6:,.1f} MB dense -> {wire['ratio']:.1f}x; "
+        f"one message {wire['message_bytes'] / 1e3:,.1f} kB"
+        + (
+            f"; plus {wire['sync_per_boundary_bytes'] / 1e6:,.1f} MB of weight gradients "
+            "exchanged per step (both directions)"
+            if wire["sync_per_boundary_bytes"]
+            else ""
+        ),
+        "",
+        f"predicted step on this layout, links at {link} + {latency_ms:g} ms, MFU {mfu:g} of "
+        f"{hw.peak_tflops:g} TFLOP/s; GPipe bubble {stages - 1}/{n_mb + stages - 1} = "
+        f"{(stages - 1) / (n_mb + stages - 1):.0%}",
+        "",
+        "| | " + " | ".join(predictions) + " |",
+        "|---" * (1 + len(predictions)) + "|",
+    ]
+    rows = [
+        ("busiest stage compute per step", lambda r: f"{r['busiest_compute_s']:.2f} s"),
+        ("one forward message on a link", lambda r: f"{r['link_s']:.3f} s"),
+        ("step: compute (slowest stage x M)", lambda r: f"{r['compute_s']:.2f} s"),
+        ("+ bubble (pipeline fill and drain)", lambda r: f"{r['bubble_s']:.2f} s"),
+        ("+ latency (fill and drain on the links)", lambda r: f"{r['latency_s']:.2f} s"),
+        ("+ bytes (serialization)", lambda r: f"{r['bytes_s']:.2f} s"),
+        ("+ collectives across the pipeline", lambda r: f"{r['collectives_s']:.2f} s"),
+        ("= predicted step time", lambda r: f"{r['step_s']:.2f} s"),
+        (f"tokens/s ({world} GPUs)", lambda r: f"{r['tokens_per_s']:,.0f}"),
+    ]
+    for name, cell in rows:
+        lines.append(f"| {name} | " + " | ".join(cell(r) for r in predictions.values()) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m protocol_models.plan", add_help=True)
+    parser.add_argument("--bandwidth-mbps", type=float, default=None)
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--mfu", type=float, default=0.4, help="fraction of [hardware] peak_tflops (default 0.4)"
+    )
+    parser.add_argument(
+        "--propose-split", action="store_true", help="print the balanced layers_per_stage"
+    )
+    known, rest = parser.parse_known_args(argv)
+    toml_path, overrides = split_argv(rest)
+    try:
+        if not 0 < known.mfu <= 1:
+            raise UserError(f"--mfu {known.mfu:g}: must be in (0, 1]")
+        config = load_config(toml_path, overrides, check_environment=False)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    plans = plan_stages(config)
+    other = twin(config)
+    predictions = {
+        _label(c): predict_step(c, p, known.bandwidth_mbps, known.latency_ms, known.mfu)
+        for c, p in sorted(
+            [(config, plans), (other, plan_stages(other))],
+            key=lambda cp: cp[0].protocol.mode != "dense",
+        )
+    }
+    wire = wire_plan(config)
+    print(
+        render(config, plans, wire, predictions, known.bandwidth_mbps, known.latency_ms, known.mfu)
+    )
+    limit = config.hardware.usable_memory_gib * GIB
+    too_big = [p for p in plans if p.total_bytes > limit]
+    _print_proposal(config, plans, known.mfu, known.propose_split or bool(too_big))
+    if too_big:
+        worst = max(too_big, key=lambda p: p.total_bytes)
+        print(
+            f"error: stage {worst.stage} needs {worst.total_bytes / GIB:.1f} GiB per GPU with the "
+            f"10% margin, more than hardware.usable_memory_gib = "
+            f"{config.hardware.usable_memory_gib:g} (a balanced protocol.layers_per_stage, "
+            'activation_checkpoint = "full", smaller microbatches, '
+            + ("model.loss_chunk_tokens, " if hasattr(config.model, "loss_chunk_tokens") else "")
+            + "more pipeline stages or data_parallel_shard_degree reduce it)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _print_proposal(config, plans: list[StagePlan], mfu: float, asked: bool) -> None:
+    """Print the balanced split if ``asked`` or if it beats the configured one by UNBALANCED."""
+    n_layers, n_stages = config.model.n_layers, config.layout_stages
+    proposal = propose_split(config, mfu)
+    if proposal is None:
+        if asked:
+            print(f"\nno split of {n_layers} blocks over {n_stages} stages fits")
+        return
+    split, busiest, largest = proposal
+    _, n_mb, _ = _microbatching(config)
+    configured = max(
+        _compute_seconds(config, n_mb * (p.fwd_flops + p.bwd_flops), mfu) for p in plans
+    )
+    if asked or (
+        split != [len(p.layers) for p in plans] and busiest <= (1 - UNBALANCED) * configured
+    ):
+        print(
+            f'\nbalanced split: --protocol.layers_per_stage "{split}": busiest stage '
+            f"{busiest:.2f} s compute per step (configured {configured:.2f} s), largest stage "
+            f"{largest / GIB:.2f} GiB with the margin"
+        )

@@ -1,0 +1,218 @@
+"""Preflight: the checks of a config against this machine, before any worker starts.
+
+The data (every part the run reads opens and holds text), the tokenizer (present, fits
+``model.vocab_size``, names an EOS token), a writable dump folder, a wandb API key when wandb
+logs online, the C compiler and Python headers flex attention compiles with and, when the run
+would resume, a checkpoint of this model's shapes. Each failure
+is one ``ConfigError`` line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from protocol_models.tools.errors import ConfigError, require
+from protocol_models.training.trainer import ProtocolTrainer
+
+
+def validate_environment(config: ProtocolTrainer.Config) -> None:
+    """Checks against the file system: data, tokenizer, dump folder, checkpoint to resume. The
+    bundled Shakespeare data, when read and not yet prepared, is left to ``scripts/train.sh``
+    (which prepares it before the workers start; they check again)."""
+    from protocol_models import DEVICE_TYPE
+    from protocol_models.data import corpus
+    from protocol_models.data import loader as data
+    from protocol_models.tools import cpu_shim
+
+    cpu_shim.check_device(config.hardware.device, DEVICE_TYPE)
+    pending = data.bundled_data_pending(config)
+    parts = {}
+    for side in ["train", "validation"] if config.validator.enable else ["train"]:
+        if not (pending and data.is_bundled(config.dataloader, side)):
+            parts[side] = corpus.part_of(config.dataloader, side)
+            corpus.check_readable(parts[side])
+    if len(parts) == 2:
+        corpus.check_disjoint(parts["train"], parts["validation"])
+    if not (pending and data.is_bundled_path(config.hf_assets_path)):
+        _check_tokenizer(config)
+    _check_writable(config.dump_folder)
+    if config.model.attention == "flex":
+        check_flex_toolchain()
+    if config.metrics.enable_wandb:
+        check_wandb_key()
+    _check_resumable(config)
+    if config.dataloader.hf_dataset and "LOCAL_RANK" not in os.environ:
+        corpus.check_hub_dataset(config.dataloader.hf_dataset)
+
+
+def _check_tokenizer(config: ProtocolTrainer.Config) -> None:
+    """``hf_assets_path`` holds a ``tokenizer.json`` whose vocabulary fits ``model.vocab_size``;
+    when it is missing, the error names the command that fetches it."""
+    path = config.hf_assets_path
+    tokenizer_json = Path(path) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        repo = config.hf_assets_repo or "REPO_ID"
+        fetch = f"python -m protocol_models.assets {repo} --dest {path}"
+        raise ConfigError(
+            f"hf_assets_path = {path!r}: no tokenizer.json there; fetch it with: {fetch}"
+            + ("" if config.hf_assets_repo else " (REPO_ID: the tokenizer's Hub repository)")
+        )
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the tokenizers library's own words
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"hf_assets_path = {path!r}: {tokenizer_json} does not load: {reason}"
+        ) from None
+    require(
+        size <= config.model.vocab_size,
+        f"model.vocab_size = {config.model.vocab_size}: smaller than the tokenizer's {size} "
+        f"tokens ({tokenizer_json}); use model.vocab_size >= {size}",
+    )
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    logging.disable(logging.WARNING)  # e.g. "no tokenizer_config.json": the check below says it
+    try:
+        eos = HuggingFaceTokenizer(tokenizer_path=path).eos_id
+    finally:
+        logging.disable(logging.NOTSET)
+    require(
+        eos is not None,
+        f"hf_assets_path = {path!r}: the tokenizer names no EOS token, so documents would run "
+        f"together; name one as eos_token (and bos_token) in {Path(path, 'tokenizer_config.json')}",
+    )
+
+
+WANDB_KEYLESS_MODES = ("offline", "disabled", "dryrun")
+"""``WANDB_MODE`` values that need no API key."""
+
+
+def check_wandb_key(env=os.environ) -> None:
+    """wandb logging online needs an API key on this node: ``WANDB_API_KEY``, an identity token
+    file (``WANDB_IDENTITY_TOKEN_FILE``) or a ``wandb login`` entry in the netrc file (``NETRC``,
+    else ``~/.netrc``) for ``WANDB_BASE_URL``'s host (default ``api.wandb.ai``). Without one,
+    ``wandb.init`` raises in the metrics rank after the GPUs were allocated."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    mode = (env.get("WANDB_MODE") or "online").lower()
+    if mode in WANDB_KEYLESS_MODES or env.get("WANDB_DISABLED", "").lower() in ("1", "true"):
+        return
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlsplit(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = env.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(
+        f"metrics.enable_wandb = true and WANDB_MODE = {mode!r}, but this node has no wandb API "
+        f"key (no WANDB_API_KEY, no {host} entry in {path}): set WANDB_API_KEY (or run `wandb "
+        "login`), set WANDB_MODE=offline to sync later with `wandb sync`, or metrics.enable_wandb "
+        "= false"
+    )
+
+
+def check_flex_toolchain(env=os.environ, include: str | None = None) -> None:
+    """Flex attention is compiled (TorchTitan: ``torch.compile`` at max-autotune, the block-mask
+    builder too), and Triton builds each kernel's launcher as a C extension: it needs a C
+    compiler (``$CC``, else ``gcc`` or ``clang`` on ``PATH``, as Triton looks) and Python's
+    headers (``Python.h`` in ``include``, default: this interpreter's). Without them the first
+    forward fails in every worker after the GPUs were allocated."""
+    import shutil
+    import sysconfig
+
+    path = env.get("PATH")
+    if env.get("CC"):
+        found, missing = shutil.which(env["CC"], path=path), f"CC = {env['CC']!r} is not a program"
+    else:
+        found = shutil.which("gcc", path=path) or shutil.which("clang", path=path)
+        missing = "no CC, no gcc or clang on PATH"
+    require(
+        found,
+        'model.attention = "flex" is compiled, and Triton builds its kernels\' launchers with a '
+        f"C compiler: {missing}; install gcc (e.g. apt install build-essential) or set CC",
+    )
+    include = include or sysconfig.get_paths()["include"]
+    require(
+        os.path.isfile(os.path.join(include, "Python.h")),
+        'model.attention = "flex" is compiled, and Triton builds its kernels\' launchers '
+        f"against Python's headers: no Python.h in {include}; install them (e.g. apt install "
+        f"python{sysconfig.get_python_version()}-dev)",
+    )
+
+
+def _check_writable(dump_folder: str) -> None:
+    """The nearest existing ancestor of ``dump_folder`` must be a directory we can write in
+    (probed with a temporary file that is removed at once; nothing is left behind)."""
+    import tempfile
+
+    path = Path(dump_folder).absolute()
+    ancestor = next(p for p in [path, *path.parents] if p.exists())
+    try:
+        require(ancestor.is_dir(), f"dump_folder = {dump_folder!r}: {ancestor} is not a directory")
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"dump_folder = {dump_folder!r}: not writable ({e.strerror}: {ancestor})"
+        ) from None
+
+
+def _check_resumable(config: ProtocolTrainer.Config) -> None:
+    """A checkpoint the run would load must hold this config's parameter shapes (with
+    ``per_node``, those of the parameters this node's checkpoint holds)."""
+    checkpoint = _checkpoint_to_load(config)
+    if checkpoint is None:
+        return
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from protocol_models.model.model import build_model_config
+
+    with torch.device("meta"):
+        model = build_model_config(config.model, config.protocol, config.layout_stages).build()
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    for name, tensor in model.state_dict().items():
+        if config.checkpoint.per_node and name not in saved:
+            continue  # a node's checkpoint holds the stages on this node only
+        require(
+            name in saved,
+            f"checkpoint {checkpoint} does not hold parameter {name} of this model "
+            "([model] or [protocol] differ from the run that wrote it)",
+        )
+        saved_shape = tuple(getattr(saved[name], "size", ()))
+        require(
+            saved_shape == tuple(tensor.shape),
+            f"checkpoint {checkpoint} was written by a different model: {name} is "
+            f"{list(saved_shape)} there but {list(tensor.shape)} with this config "
+            f"(protocol.k = {config.protocol.k}, model.dim = {config.model.dim}); "
+            "resume with the settings that wrote it or use another dump_folder",
+        )
+
+
+def _checkpoint_to_load(config: ProtocolTrainer.Config) -> Path | None:
+    """What TorchTitan's checkpointer would load at start: the newest complete ``step-N`` in
+    the run's checkpoint folder (with ``per_node``, this node's), else
+    ``checkpoint.initial_load_path``."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return None
+    from protocol_models.training.checkpointing import complete_step_numbers, node_folder_name
+
+    folder = Path(config.dump_folder) / ckpt.folder
+    if ckpt.per_node:  # this node's own folder (scripts/train.sh: NODE_RANK of NNODES)
+        node = int(os.environ.get("NODE_RANK", "0"))
+        folder = folder / node_folder_name(node, int(os.environ.get("NNODES", "1")))
+    steps = complete_step_numbers(str(folder))
+    if steps:
+        return folder / f"step-{steps[-1]}"
+    if ckpt.initial_load_path and (Path(ckpt.initial_load_path) / ".metadata").is_file():
+        return Path(ckpt.initial_load_path)
+    return None

@@ -1,0 +1,258 @@
+"""The strict TOML layer: TOML tables (+ ``--section.key value`` overrides) -> ``Trainer.Config``.
+
+TorchTitan 0.3.0 configures runs with Python functions; users of this plugin edit TOML instead.
+Each TOML table maps by name onto a field of ``ProtocolTrainer.Config`` (``[training]``,
+``[parallelism]``, ``[metrics]``, ``[checkpoint]``, ``[validator]``, ...), plus the plugin's
+``[model]`` (architecture) and ``[protocol]`` (method) tables and a compact ``[optimizer]`` table.
+Unknown keys, wrong types and impossible values raise ``ConfigError`` with one line naming the key
+and what is allowed -- before any worker process starts.
+
+Three layers: ``protocol_models.config.toml_tables`` reads the TOML (``base`` files, overrides)
+and assigns it with type coercion; each table's numeric and enumerated keys are checked against
+their declared ranges (``protocol_models.tools.ranges``; TorchTitan's tables:
+``protocol_models.config.torchtitan_ranges``) and each settings dataclass checks its own table
+(``__post_init__``), both on the assembled config; ``validate`` below checks what needs several
+keys at once, and ``protocol_models.config.preflight`` checks the config against this machine
+(data, tokenizer, dump folder, checkpoint).
+
+Run ``python -m protocol_models.config --toml FILE [overrides]`` to check a config; it prints the
+number of processes the run needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any
+
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+from protocol_models.config.preflight import validate_environment
+from protocol_models.config.toml_tables import (
+    CORPUS_KEYS,
+    assign,
+    expect_table,
+    parse_overrides,
+    read_layers,
+    rerun_post_init,
+    split_argv,
+)
+from protocol_models.config.torchtitan_ranges import TORCHTITAN_RANGES
+from protocol_models.model.layout import stage_layer_ranges
+from protocol_models.tools.errors import ConfigError, require
+from protocol_models.tools.ranges import OneOf
+from protocol_models.training.checkpointing import ProtocolCheckpointManager
+from protocol_models.training.optimizers import OPTIMIZERS, OptimizerSettings
+from protocol_models.training.trainer import ProtocolTrainer
+
+__all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "validate"]
+
+ACTIVATION_CHECKPOINT = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
+_TOP_LEVEL_SPECIAL = ("activation_checkpoint", "optimizer")
+
+
+def default_config() -> ProtocolTrainer.Config:
+    """What a TOML file starts from: the bundled Shakespeare data, GPipe, CPU-friendly settings.
+    (The validator's dataloader is derived from ``[dataloader]`` in ``_build``.)"""
+    return ProtocolTrainer.Config(
+        hf_assets_path=".cache/shakespeare/tokenizer",
+        dump_folder="outputs/run",
+        training=TrainingConfig(disable_cuda_graphs=True, mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(
+            pipeline_parallel_schedule="GPipe", spmd_backend="partial_dtensor"
+        ),
+        checkpoint=ProtocolCheckpointManager.Config(enable=False, last_save_model_only=False),
+        activation_checkpoint=None,
+    )
+
+
+def load_config(
+    toml_path: str | None, overrides: list[str], *, check_environment: bool = True
+) -> ProtocolTrainer.Config:
+    """Build the run's config from a TOML file and ``--section.key value`` overrides.
+
+    ``check_environment=False`` skips the file-system checks (data, tokenizer, dump folder,
+    checkpoint), e.g. to plan a cluster run on a laptop.
+    """
+    table = read_layers(toml_path, overrides)
+    with _quiet_warnings():
+        config = _build(table)
+    if check_environment:
+        validate_environment(config)
+    return config
+
+
+@contextlib.contextmanager
+def _quiet_warnings():
+    """TorchTitan's config dataclasses log warnings about their own defaults (e.g. checkpoint's
+    ``initial_load_model_only``); keep the check's output to the one line that matters."""
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
+    config = default_config()
+    optimizer = OptimizerSettings()
+    loader_table = table.get("dataloader", {})
+    if isinstance(loader_table, dict) and set(CORPUS_KEYS) & set(loader_table):
+        # a [dataloader] that names a corpus replaces the bundled one, validation files included
+        config.dataloader.files = config.dataloader.validation_files = ""
+    validator_table = table.get("validator", {})
+    if isinstance(validator_table, dict) and "dataloader" in validator_table:
+        raise ConfigError(
+            "[validator.dataloader]: the validation data is part of [dataloader] "
+            "(validation_files, validation_fraction, or validation_split for hf_dataset)"
+        )
+    for key, value in table.items():
+        if key == "optimizer":
+            assign(optimizer, expect_table(value, key), key)
+        elif key == "activation_checkpoint":
+            OneOf(ACTIVATION_CHECKPOINT).require(key, value)
+            factory = ACTIVATION_CHECKPOINT[value]
+            config.activation_checkpoint = factory() if factory else None
+        else:
+            assign(config, {key: value}, "", also_allowed=_TOP_LEVEL_SPECIAL)
+    rerun_post_init(optimizer, "optimizer", TORCHTITAN_RANGES)
+    learned = config.protocol.mode == "mapl" and config.layout_stages > 1
+    config.optimizer = optimizer.to_container_config(
+        config.protocol.projection_lr if learned else None
+    )
+    config.protocol.parametrization = optimizer.parametrization
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
+    rerun_post_init(config, "", TORCHTITAN_RANGES)
+    config.validator.dataloader = dataclasses.replace(config.dataloader, split="validation")
+    validate(config)
+    return config
+
+
+def validate(config: ProtocolTrainer.Config) -> None:
+    """Checks that need several keys at once; each failure names the offending key."""
+    model, protocol, par, training = (
+        config.model,
+        config.protocol,
+        config.parallelism,
+        config.training,
+    )
+    pp = par.pipeline_parallel_degree
+    require(
+        protocol.k <= model.dim,
+        f"protocol.k = {protocol.k}: must be an integer in [1, model.dim = {model.dim}]",
+    )
+    config.codec.check(
+        protocol.mode, model.dim, par.pipeline_parallel_microbatch_size * training.seq_len,
+        protocol.k,
+    )  # fmt: skip
+    whole_matrices = OPTIMIZERS[config.optimizer.name].whole_matrices
+    if par.data_parallel_shard_degree > 1 and (whole_matrices or protocol.update_every):
+        needs = (
+            f"optimizer.name = {config.optimizer.name!r}"
+            if whole_matrices
+            else f"protocol.update_every = {protocol.update_every}"
+        )
+        raise ConfigError(
+            f"parallelism.data_parallel_shard_degree = {par.data_parallel_shard_degree}: "
+            f"{needs} acts on whole matrices; use data_parallel_replicate_degree for data "
+            "parallelism (or optimizer.name = 'adamw' with update_every = 0 to shard)"
+        )
+    require(
+        pp <= model.n_layers,
+        f"parallelism.pipeline_parallel_degree = {pp}: more pipeline stages than "
+        f"model.n_layers = {model.n_layers} (each stage needs at least one layer)",
+    )
+    if protocol.stages is not None:
+        require(
+            protocol.stages <= model.n_layers,
+            f"protocol.stages = {protocol.stages}: must be in [1, model.n_layers = "
+            f"{model.n_layers}]",
+        )
+        require(
+            pp == 1 or protocol.stages == pp,
+            f"protocol.stages = {protocol.stages}: must equal "
+            f"parallelism.pipeline_parallel_degree = {pp} when the run is pipelined",
+        )
+    if protocol.layers_per_stage is not None:
+        stage_layer_ranges(model.n_layers, config.layout_stages, protocol.layers_per_stage)
+    mb = par.pipeline_parallel_microbatch_size
+    require(
+        pp == 1 or training.local_batch_size % mb == 0,
+        f"parallelism.pipeline_parallel_microbatch_size = {mb}: must divide "
+        f"training.local_batch_size = {training.local_batch_size}",
+    )
+    per_step = training.local_batch_size * config.replicas
+    require(
+        training.global_batch_size == -1 or training.global_batch_size % per_step == 0,
+        f"training.global_batch_size = {training.global_batch_size}: must be a multiple of "
+        f"training.local_batch_size x the data-parallel degree = {per_step}",
+    )
+    profiler = config.profiler
+    require(
+        not profiler.enable_profiling
+        or profiler.profile_freq >= profiler.profiler_warmup + profiler.profiler_active,
+        f"profiler.profile_freq = {profiler.profile_freq}: must be >= profiler.profiler_warmup "
+        f"+ profiler.profiler_active = {profiler.profiler_warmup + profiler.profiler_active}",
+    )
+    config.wan.check_boundaries(pp - 1)
+    require(
+        not config.checkpoint.create_seed_checkpoint or config.checkpoint.enable,
+        "checkpoint.create_seed_checkpoint = true needs checkpoint.enable = true",
+    )
+    prompts = config.metrics.sample_prompts
+    require(
+        len(prompts) <= training.local_batch_size,
+        f"metrics.sample_prompts: {len(prompts)} prompts: at most "
+        f"training.local_batch_size = {training.local_batch_size}",
+    )
+    require(
+        not prompts or not model.loss_chunk_tokens,
+        "metrics.sample_prompts needs the logits: model.loss_chunk_tokens = 0",
+    )
+    require(
+        not config.validator.enable or config.dataloader.has_validation,
+        "validator.enable = true, but [dataloader] names no validation data: set "
+        "dataloader.validation_files, validation_fraction or (with hf_dataset) validation_split",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check a config. On success print ``nproc=<N>`` (processes the run needs),
+    ``device=<cuda|cpu>`` and ``prepare_data=<0|1>`` (whether ``python -m protocol_models.prepare``
+    has work to do before the workers start: the bundled data or a map-style corpus to
+    tokenize); on failure print one ``error:`` line to stderr and return 2. With
+    ``[transport] link_mbps`` and ``link_latency_ms`` stated, a node whose TCP settings would slow
+    that link gets one ``warning:`` line on stderr with the ``sysctl`` command that fixes them;
+    on one of several nodes (``NNODES`` > 1), one whose NCCL interface choice could pick a
+    private address next to a VPN gets one too (``protocol_models.tools.interfaces``)."""
+    from protocol_models.data import loader as data
+    from protocol_models.tools.interfaces import interface_warning
+    from protocol_models.wire.transport import tcp_advice
+
+    toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(toml_path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"nproc={config.world_size}")
+    print(f"device={config.hardware.device}")
+    prepare = not config.dataloader.streaming or data.bundled_data_pending(config)
+    print(f"prepare_data={int(prepare)}")
+    transport = config.transport
+    advice = transport.link_stated and tcp_advice(transport.link_mbps, transport.link_latency_ms)
+    if advice:
+        print(advice, file=sys.stderr)
+    interfaces = int(os.environ.get("NNODES", "1")) > 1 and interface_warning()
+    if interfaces:
+        print(interfaces, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""What a run reads: the loader (``loader``: any corpus -> packed token ids), the corpora a
+``[dataloader]`` table names (``corpus``), the bundled Shakespeare data (``shakespeare``) and
+tokenizers fetched from the Hugging Face Hub (``assets``)."""

@@ -1,0 +1,569 @@
+"""TorchTitan Trainer and Validator extensions for Protocol Models.
+
+* The ``ModelSpec`` is derived from the config's ``[model]`` and ``[protocol]`` tables. The
+  trainer owns the run's ``Wire`` (meter, codec, link: built once) and hands it at construction
+  to the pipelining and parallelize functions the spec carries; the metrics processor reads it.
+* ``ModelSpec.post_optimizer_build_fn`` binds the subspace optimizers to the model and, with
+  ``[protocol] update_every``, gives the optimizer container its ``SubspaceTracker``.
+* Token ids reach every pipeline stage as the forward kwarg ``token_ids``: every rank of a
+  pipeline group reads the same microbatches, so ids never cross the wire (a checksum of them is
+  compared across the stages at every log step).
+* With the causal ``sdpa`` backend, the dataloader's per-document ``positions`` are dropped so
+  RoPE sees the same packed-sequence positions the causal mask uses.
+* With ``[model] loss_chunk_tokens``, the labels reach every stage as the kwarg ``labels``; the
+  last stage returns the summed loss and ``ModelLoss`` normalizes it
+  (``protocol_models.model.loss``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import partial
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torchtitan.components.validate import Validator
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from protocol_models.data.loader import TextDataLoader
+from protocol_models.model.layout import stage_layer_ranges
+from protocol_models.model.loss import ModelLoss
+from protocol_models.model.model import ModelArch, build_model_spec
+from protocol_models.tools.errors import StartupError
+from protocol_models.tools.ranges import AT_LEAST_1, POSITIVE, Range, Ranges
+from protocol_models.training import run_record
+from protocol_models.training.console import Progress
+from protocol_models.training.grassmann import SubspaceTracker
+from protocol_models.training.mapl_sync import BoundarySync
+from protocol_models.training.metrics import ProtocolMetricsProcessor
+from protocol_models.training.optimizers import bind_subspace
+from protocol_models.training.protocol import ProtocolSettings
+from protocol_models.training.samples import sample_at_validation
+from protocol_models.wire import Wire
+from protocol_models.wire.codecs import CodecSettings
+from protocol_models.wire.link import LinkSettings
+from protocol_models.wire.norm_exchange import NormExchange
+from protocol_models.wire.pipeline import parallelize_protocol, pipeline_protocol
+from protocol_models.wire.transport import TransportSettings
+
+
+def add_protocol_kwargs(
+    inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: dict[str, Any], model_config
+) -> dict[str, Any]:
+    """Forward kwargs every stage receives: the token ids ``[mb, seq]``, with
+    ``loss_chunk_tokens`` the labels ``[mb, seq]`` (the last stage computes the loss), and
+    positions unless the attention is plain causal SDPA."""
+    extra_kwargs["token_ids"] = inputs
+    if model_config.loss_chunk_tokens:
+        extra_kwargs["labels"] = labels
+    inner = model_config.first_attention.inner_attention
+    if isinstance(inner, ScaledDotProductAttention.Config):
+        extra_kwargs.pop("positions", None)
+    return extra_kwargs
+
+
+@dataclass(kw_only=True, slots=True)
+class HardwareSettings:
+    """TOML table ``[hardware]``: the device the run trains on, and what the planner checks a
+    layout against."""
+
+    device: Literal["cuda", "cpu"] = "cuda"
+    """``cuda``: a run stops with one line naming the cause when CUDA is unusable (never a
+    silent CPU fallback); ``cpu``: train on CPU over gloo (the CPU configs and tests)."""
+
+    usable_memory_gib: float = 22.5
+    """Memory one GPU offers, as the driver reports its total (NVIDIA L4: about 22.5 GiB of its
+    24 GB); ``python -m protocol_models.plan`` fails unless every stage's estimate, CUDA
+    context included, plus a 10% margin fits in it."""
+    peak_tflops: float = 121.0
+    """Dense bf16 tensor-core peak of one GPU in TFLOP/s (NVIDIA L4 datasheet: 242 with
+    sparsity, i.e. 121 dense); the planner predicts step times at ``--mfu`` of it."""
+    gpus_per_node: int = 8
+    """Processes per node; the planner prints which nodes hold which pipeline stage."""
+
+    RANGES: ClassVar[Ranges] = {
+        "usable_memory_gib": POSITIVE,
+        "peak_tflops": POSITIVE,
+        "gpus_per_node": AT_LEAST_1,
+    }
+
+
+class ProtocolValidator(Validator):
+    """TorchTitan's Validator, passing token ids to every stage; then ``[metrics]`` samples."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Validator.Config):
+        RANGES: ClassVar[Ranges] = {
+            "freq": AT_LEAST_1,
+            "steps": Range(low=1, also=(-1,), note="-1 = the whole validation data"),
+        }
+
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        inputs, labels, extra = super().post_dataloading_process(input_dict, labels, model_parts)
+        return inputs, labels, add_protocol_kwargs(inputs, labels, extra, model_parts[0].config)
+
+    def validate(self, model_parts, step: int) -> None:
+        super().validate(model_parts, step)
+        sample_at_validation(self, model_parts, step)  # [metrics] sample_prompts
+
+
+class ProtocolTrainer(Trainer):
+    """TorchTitan's Trainer for a Protocol LLaMA; see the module docstring."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        model: ModelArch = field(default_factory=ModelArch)
+        protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
+        metrics: ProtocolMetricsProcessor.Config = field(
+            default_factory=ProtocolMetricsProcessor.Config
+        )
+        validator: ProtocolValidator.Config = field(default_factory=ProtocolValidator.Config)
+        wan: LinkSettings = field(default_factory=LinkSettings)
+        transport: TransportSettings = field(default_factory=TransportSettings)
+        hardware: HardwareSettings = field(default_factory=HardwareSettings)
+        codec: CodecSettings = field(default_factory=CodecSettings)
+        dataloader: TextDataLoader.Config = field(default_factory=TextDataLoader.Config)
+        hf_assets_repo: str = ""
+        """The Hub repository the tokenizer in ``hf_assets_path`` comes from; a missing
+        tokenizer is refused with the command that fetches it
+        (``python -m protocol_models.assets``)."""
+
+        @property
+        def layout_stages(self) -> int:
+            """The pipeline layout the model is built for."""
+            return self.protocol.stages or self.parallelism.pipeline_parallel_degree
+
+        @property
+        def replicas(self) -> int:
+            """Data-parallel ranks per pipeline stage (replicated x FSDP-sharded); they share
+            their stage's boundary links."""
+            par = self.parallelism
+            return par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
+
+        @property
+        def world_size(self) -> int:
+            """Processes the run needs: pipeline stages x data-parallel ranks x tensor-parallel."""
+            par = self.parallelism
+            return par.pipeline_parallel_degree * self.replicas * par.tensor_parallel_degree
+
+    def __init__(self, config: Config):
+        self.wire = Wire.from_config(config)
+        config.model_spec = build_model_spec(
+            config.model,
+            config.protocol,
+            config.layout_stages,
+            pipelining_fn=partial(pipeline_protocol, wire=self.wire),
+            parallelize_fn=partial(
+                parallelize_protocol,
+                wire=self.wire,
+                n_stages=config.layout_stages,
+                microbatch=config.parallelism.pipeline_parallel_microbatch_size,
+            ),
+            post_optimizer_build_fn=partial(
+                after_optimizers_built,
+                protocol=config.protocol,
+                meter=self.wire.meter,
+                timeout=init_timeout(config),
+            ),
+        )
+        if config.model.loss_chunk_tokens:
+            config.loss = ModelLoss.Config()
+        self.progress = Progress(config.training.steps)
+        super().__init__(config)
+        run_record.write(config)  # what export needs to read the checkpoints
+        self.metrics_processor.gpu_peak_flops = config.hardware.peak_tflops * 1e12
+        logger.info(
+            f"MFU is measured against [hardware] peak_tflops = {config.hardware.peak_tflops:g}"
+        )
+        self.metrics_processor.wire = self.wire  # as TorchTitan hands it optimizers, model_parts
+        self.check_stages_agree()
+        self.table_digest = self.model_parts[0].table_sha256
+        self.norm_exchange = None
+        self._step_losses: list[torch.Tensor] = []
+        """This step's losses, one per gradient-accumulation step (``forward_backward_step``)."""
+        dims = self.parallel_dims
+        if dims.pp_enabled and not dims.ep_enabled and config.transport.exchange_grad_norm:
+            group = self.parallel_dims.get_mesh("pp").get_group()
+            ranks = dist.get_process_group_ranks(group)
+            self.norm_exchange = NormExchange(ranks, self.device, self.wire.meter, self.wire.link,
+                                              timeout=init_timeout(config))  # fmt: skip
+        self._steps_run = 0
+        """Steps this process has trained (a resumed run starts again at 0)."""
+
+    @property
+    def subspace_tracker(self) -> SubspaceTracker | None:
+        """The optimizer container's subspace updates (None: U stays fixed)."""
+        return self.optimizers.subspace
+
+    def check_stages_agree(self) -> None:
+        """Every pipeline stage must hold the same subspace (U, F and their seed) and layout;
+        a mismatch (e.g. two nodes launched with different [protocol] settings) would decode
+        silently wrong activations, so it stops the run before step 1."""
+        if not self.parallel_dims.pp_enabled:
+            return
+        mine = (
+            protocol_identity(self.config),
+            _subspace_digest(self.model_parts[0]),
+        )
+        group = self.parallel_dims.get_mesh("pp").get_group()
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        if len(set(everyone)) > 1:
+            stages = "; ".join(
+                f"stage {i}: {identity}, U/F sha256 {h[:12]}"
+                for i, (identity, h) in enumerate(everyone)
+            )
+            raise StartupError(
+                f"pipeline stages disagree on the subspace ({stages}); every node must run "
+                "the same [model] and [protocol] settings"
+            )
+
+    def init_distributed(self) -> ParallelDims:
+        """TorchTitan's process group and parallel dims, every mesh group given the init
+        timeout, then ``check_placement`` (before any model is built).
+
+        TorchTitan creates the world group with ``[comm] init_timeout_seconds`` but the mesh's
+        groups with the backend's default (NCCL: 10 min), and sets every group to
+        ``train_timeout_seconds`` only after this process's first step. That first step holds
+        the pipeline's metadata inference, which runs the stages one after another -- each
+        one's cold compile (flex attention at max-autotune: minutes) while the others wait in a
+        receive -- so until it ends every group, the plugin's own included
+        (``plugin_groups``), gets the init timeout; then the train timeout (``train_step``)."""
+        parallel_dims = super().init_distributed()
+        if dist.is_initialized():
+            for mesh in parallel_dims.get_all_one_dimensional_meshes().values():
+                dist.set_timeout(init_timeout(self.config), mesh.get_group())
+        self.check_placement(parallel_dims)
+        return parallel_dims
+
+    def plugin_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups the plugin creates (the gradient-norm exchange's, MAPL's boundary
+        sync's): TorchTitan's timeout changes do not reach them."""
+        groups = self.norm_exchange.groups if self.norm_exchange is not None else []
+        sync = self.optimizers.boundary_sync
+        return groups + ([sync.group] if sync is not None and sync.group is not None else [])
+
+    def check_placement(self, dims: ParallelDims) -> None:
+        """Every rank logs where it runs; a stage whose data-parallel group (the ranks that hold
+        the same pipeline stage: FSDP, replicate and any other non-pipeline mesh axis) spans two
+        regions would send its all-gathers and reduce-scatters over a slow link every step, so it
+        stops the run at start-up. A rank's region is ``$REGION``, else its host name. Node 0's
+        last local rank (the one ``scripts/train.sh`` shows by default) prints the placement.
+        (Called by TorchTitan's ``__init__`` through ``init_distributed``.)"""
+        if not dist.is_initialized():
+            return
+        mine = RankPlace(
+            region=os.environ.get("REGION") or socket.gethostname(),
+            labelled=bool(os.environ.get("REGION")),
+            host=socket.gethostname(),
+            node=int(os.environ.get("GROUP_RANK", "0")),
+            stage=dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0,
+        )
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)  # NCCL: on the device TorchTitan set
+        rank = dist.get_rank()
+        where = f"REGION={mine.region}" if mine.labelled else "REGION unset"
+        logger.info(
+            f"rank {rank}/{len(everyone)} on node {mine.node} (host {mine.host}, {where}) holds "
+            f"pipeline stage {mine.stage} of {dims.pp}"
+        )
+        if rank == int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1:
+            logger.info(f"placement: {describe_placement(everyone)}")
+        problem = placement_problem(everyone)
+        if problem:
+            raise StartupError(problem)
+
+    def state_dict(self) -> dict[str, Any]:
+        """TorchTitan's train state plus the subspace's: a sha256 of F (regenerated from the
+        seed, verified on load) and, with updates on, the update count and this rank's window
+        sum of ``dL/dU`` (U itself is a model buffer)."""
+        state = super().state_dict()
+        if self.table_digest:
+            state["subspace_table_sha256"] = torch.frombuffer(
+                bytearray(self.table_digest), dtype=torch.uint8
+            )
+        if self.subspace_tracker is not None:
+            state.update(self.subspace_tracker.state_dict(dist.get_rank()))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        stored = state_dict.get("subspace_table_sha256")
+        if stored is not None and bytes(stored.tolist()) != self.table_digest:
+            raise StartupError(
+                f"checkpoint in {self.config.checkpoint.folder!r} was trained with a different "
+                f"token table F than protocol.seed = {self.config.protocol.seed} generates "
+                f"(sha256 {bytes(stored.tolist()).hex()[:12]} vs {self.table_digest.hex()[:12]});"
+                " resume with the run's original [protocol] seed and [model] sizes"
+            )
+        if self.subspace_tracker is not None:
+            self.subspace_tracker.load_state_dict(state_dict, dist.get_rank())
+
+    def post_dataloading_process(self, input_dict, labels):
+        inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
+        self.metrics_processor.ids_checksum.add(inputs)
+        return inputs, labels, add_protocol_kwargs(inputs, labels, extra, self.model_config)
+
+    def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        loss = super().forward_backward_step(**kwargs)
+        self._step_losses.append(loss.detach().clone())  # a CUDA graph's replay reuses it
+        return loss
+
+    def train_step(self, data_iterator):
+        self.progress.begin(self.step)
+        self.optimizers.current_step = self.step
+        self.wire.meter.reset()
+        if self.wire.link is not None:
+            self.wire.link.reset_counters()
+        measure = self.metrics_processor.should_log(self.step)
+        for part in self.model_parts:
+            part.start_leak_window(measure)
+        self._step_losses = []
+        with exchanging_grad_norm(
+            self.optimizers,
+            self.norm_exchange,
+            self.wire,
+            schedule_done=self._post_next_step if self._training_step_follows() else None,
+            metrics_row=self._metrics_row if measure and self._rows_travel_with_norm() else None,
+            metrics=self.metrics_processor,
+        ):
+            super().train_step(data_iterator)
+        self._steps_run += 1
+        if self._steps_run == 1:  # as TorchTitan does for its groups after this step
+            train = timedelta(seconds=self.config.comm.train_timeout_seconds)
+            for group in self.plugin_groups():
+                dist.set_timeout(train, group)
+        if measure:
+            logger.info(self.progress.line(self.step))
+
+    def _training_step_follows(self) -> bool:
+        """Whether the next schedule step of this run is surely another training step: not the
+        last step, no validation after this one, and data that cannot run out (a step that
+        finds none is cancelled before its forward)."""
+        validator = self.config.validator
+        return (
+            self.step < self.config.training.steps
+            and not (validator.enable and self.validator.should_validate(self.step))
+            and self.config.dataloader.infinite
+        )
+
+    def _post_next_step(self) -> None:
+        """This step's schedule is done: every stage posts the next step's forward receives now,
+        so that each is posted before its sender sends (``WirePipelineStage.post_next_forward``)."""
+        for stage in self.wire.stages:
+            stage.post_next_forward()
+
+    def _rows_travel_with_norm(self) -> bool:
+        """Whether a log step's metrics rows ride on the gradient-norm exchange: it runs, the
+        logged loss is the last stage's own (no data-parallel or context-parallel reduction),
+        and nothing the row counts happens after it (MAPL's boundary sync, in the optimizer
+        step, meters its bytes)."""
+        return (
+            self.norm_exchange is not None
+            and not self.parallel_dims.dp_cp_enabled
+            and self.optimizers.boundary_sync is None
+        )
+
+    def _metrics_row(self) -> torch.Tensor:
+        """This stage's metrics row for the exchange, with the step's loss as TorchTitan logs it
+        without data parallelism: the sum of its gradient-accumulation steps' losses, in order
+        (only the last stage's is read)."""
+        loss = self._step_losses[0].clone()
+        for more in self._step_losses[1:]:
+            loss.add_(more)
+        return self.metrics_processor.stage_row(loss, loss)
+
+
+@contextlib.contextmanager
+def exchanging_grad_norm(
+    optimizers,
+    exchange: NormExchange | None,
+    wire: Wire,
+    *,
+    schedule_done: Callable[[], None] | None = None,
+    metrics_row: Callable[[], torch.Tensor] | None = None,
+    metrics: ProtocolMetricsProcessor | None = None,
+):
+    """For one TorchTitan ``train_step``: its gradient clipping (``clip_grad_norm_``) reduces the
+    norm over the pipeline stages with ``exchange`` (``wire.norm_exchange``: no all-reduce on
+    the critical path across the slow links) instead of an all-reduce -- everything else as
+    TorchTitan does it (the norm over each stage's FSDP shards, then ``clip_grads_with_norm_``)
+    -- and hands the global norm to the optimizer container, whose non-finite guard reads it
+    instead of agreeing on a flag in a collective of its own. Without pipeline parallelism,
+    with expert parallelism or a norm other than 2, TorchTitan's own clipping runs (with
+    pipeline parallelism its all-reduce is counted on ``wire``'s meter and link).
+
+    ``schedule_done`` runs first thing in the clipping (the step's schedule is over). With
+    ``metrics_row`` (a log step), this stage's metrics row (``[width]`` float64) travels in the
+    exchange, and every stage's rows go to ``metrics.exchanged_rows`` for the log."""
+    clip = dist_utils.clip_grad_norm_
+
+    def clip_exchanged(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                       foreach=None, pp_mesh=None, ep_enabled=False):  # fmt: skip
+        if schedule_done is not None:
+            schedule_done()
+        if exchange is None or pp_mesh is None or ep_enabled or norm_type != 2.0:
+            norm = clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh,
+                        ep_enabled)  # fmt: skip
+            if pp_mesh is not None:  # its all-reduce over the pipeline group
+                wire.collective("grad_norm", "all_reduce", pp_mesh.size())
+        else:
+            parameters = list(parameters)
+            grads = [p.grad for p in parameters if p.grad is not None]
+            local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+            if isinstance(local, DTensor):  # partial over the data-parallel shards
+                local = local.full_tensor()
+            norm = exchange.global_norm(local, metrics_row() if metrics_row else None)
+            if metrics_row is not None:
+                metrics.exchanged_rows = exchange.rows
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach)
+        optimizers.reduced_grad_norm = norm
+        return norm
+
+    if exchange is not None:
+        exchange.post(metrics.stage_row_width() if metrics_row else 0)
+    dist_utils.clip_grad_norm_ = clip_exchanged
+    try:
+        yield
+    finally:
+        dist_utils.clip_grad_norm_ = clip
+        optimizers.reduced_grad_norm = None
+
+
+class RankPlace(NamedTuple):
+    """Where one rank runs, as ``check_placement`` gathers it."""
+
+    region: str
+    """``$REGION``, else the host name."""
+    labelled: bool
+    """Whether ``$REGION`` was set."""
+    host: str
+    node: int
+    """The node rank (torchelastic's ``GROUP_RANK``)."""
+    stage: int
+    """The pipeline stage this rank holds."""
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _by_stage(places: list[RankPlace]) -> dict[int, dict[str, list[int]]]:
+    """stage -> region -> global ranks, in stage and first-rank order."""
+    stages: dict[int, dict[str, list[int]]] = {}
+    for rank, place in enumerate(places):
+        stages.setdefault(place.stage, {}).setdefault(place.region, []).append(rank)
+    return dict(sorted(stages.items()))
+
+
+def describe_placement(places: list[RankPlace]) -> str:
+    """One line: for every stage its ranks, their nodes and regions (index = global rank)."""
+    parts = []
+    for stage, regions in _by_stage(places).items():
+        ranks = [r for rs in regions.values() for r in rs]
+        nodes = _ranks_text(sorted({places[r].node for r in ranks}))
+        parts.append(
+            f"stage {stage}: ranks {_ranks_text(ranks)} on node(s) {nodes} "
+            f"(region {' + '.join(regions)})"
+        )
+    return "; ".join(parts)
+
+
+def placement_problem(places: list[RankPlace]) -> str | None:
+    """The one-line reason to refuse a placement (index = global rank), or None: the first
+    stage whose data-parallel group spans more than one region."""
+    for stage, regions in _by_stage(places).items():
+        if len(regions) < 2:
+            continue
+        spans = ", ".join(f"{region!r} (ranks {_ranks_text(rs)})" for region, rs in regions.items())
+        ranks = [r for rs in regions.values() for r in rs]
+        reason = (
+            f"the data-parallel group of pipeline stage {stage} spans regions {spans}, so its "
+            "FSDP/replicate traffic would cross a slow link every step; number the nodes "
+            f"(NODE_RANK) region by region so that ranks {_ranks_text(ranks)} share one region, "
+            "or change [parallelism]"
+        )
+        if not all(places[r].labelled for r in ranks):
+            reason += ", and set REGION on every node (unset, a node's region is its host name)"
+        return reason
+    return None
+
+
+def _subspace_digest(model: torch.nn.Module) -> str:
+    """sha256 of this stage's current U and of F as generated ("" in dense mode). U is
+    ``[d, k]`` (read back once per check); F's digest was taken while generating it."""
+    if not getattr(model, "subspace", False):
+        return ""
+    digest = hashlib.sha256(model.basis.detach().cpu().contiguous().numpy().tobytes())
+    digest.update(model.table_sha256)
+    return digest.hexdigest()
+
+
+def protocol_identity(config: ProtocolTrainer.Config) -> str:
+    """What every pipeline stage must share to decode its neighbours' messages, as the text a
+    mismatch error shows: the subspace (mode, k, seed, width), the blocks per stage (which blocks
+    each stage runs and which are constrained) and, in a lossy mode, the codec settings (they fix
+    the payload shapes and the backward)."""
+    protocol = config.protocol
+    identity = f"mode={protocol.mode}, k={protocol.k}, seed={protocol.seed}, dim={config.model.dim}"
+    ranges = stage_layer_ranges(
+        config.model.n_layers, config.layout_stages, protocol.layers_per_stage
+    )
+    identity += f", layers per stage {[len(r) for r in ranges]}"
+    if protocol.mode == "mapl":
+        identity += f", anchor_rank={protocol.anchor_rank}, rvq_stages={protocol.rvq_stages}"
+        if protocol.rvq_stages:
+            identity += f", rvq_codebook={protocol.rvq_codebook}, rvq_decay={protocol.rvq_decay}"
+    codec = config.codec.identity(protocol.mode)
+    if codec:
+        identity += f", codec {protocol.mode}({codec})"
+    return identity
+
+
+def init_timeout(config: ProtocolTrainer.Config) -> timedelta:
+    """``[comm] init_timeout_seconds``: what every group waits until the first step is done."""
+    return timedelta(seconds=config.comm.init_timeout_seconds)
+
+
+def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, meter,
+                           timeout: timedelta) -> None:  # fmt: skip
+    """``ModelSpec.post_optimizer_build_fn``: tell the subspace optimizers which weights are
+    constrained and where U is, (``mapl`` mode) give the optimizer container the
+    ``BoundarySync`` of the MAPL copies, metered on ``meter``, and (``protocol.update_every`` >
+    0, subspace mode) the ``SubspaceTracker`` it runs after every applied step."""
+    bind_subspace(optimizers, model_parts)
+    sync = BoundarySync(model_parts, meter=meter)
+    if sync.sides and parallel_dims.pp_enabled:
+        pp_mesh = parallel_dims.get_mesh("pp")
+        # a group of its own: on gloo, where sends and receives between two ranks of one group
+        # match in order, the next step's early-posted activation receive would take its message
+        ranks = dist.get_process_group_ranks(pp_mesh.get_group())
+        group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        sync.use_group(group, pp_mesh.get_local_rank(), pp_mesh.size())
+    optimizers.boundary_sync = sync if sync.sides else None
+    if protocol.update_every > 0 and model_parts[0].subspace:
+        optimizers.subspace = SubspaceTracker(
+            model_parts,
+            optimizers,
+            update_every=protocol.update_every,
+            angle_deg=protocol.update_angle_deg,
+        )
