@@ -28,7 +28,9 @@ LATENCY_MS = 50.0
 def test_arrivals_follow_the_wire_model(tmp_path, case, width, mbps):
     """3 stages, 1F1B: the middle rank receives activations and gradients, each over its own
     link direction. Re-derive every arrival from the sender stamps and receive posts: never
-    earlier, within 10% of the transfer when the receiver waited."""
+    earlier, and when the receiver waited, no later than the OS can wake a sleeping process on a
+    busy 2-core machine (10% of the transfer, at least 25 ms: half a latency, so a wait that
+    charged the latency twice would still fail)."""
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
          str(REPO / "tests" / "link_exchange.py"), str(tmp_path), str(width), str(mbps), str(LATENCY_MS)],
@@ -55,7 +57,8 @@ def test_arrivals_follow_the_wire_model(tmp_path, case, width, mbps):
             assert d["available_at"] == pytest.approx(start + serialize + latency, abs=1e-6)
             assert d["ready_at"] >= d["available_at"] - 1e-6, "delivered before the model allows"
             if d["waited"]:
-                assert d["ready_at"] - d["available_at"] <= 0.1 * (serialize + latency), (case, d)
+                late = max(0.1 * (serialize + latency), 0.025)
+                assert d["ready_at"] - d["available_at"] <= late, (case, d)
         assert log and sum(d["waited"] for d in log) >= len(log) // 2
 
 
