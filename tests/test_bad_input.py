@@ -10,7 +10,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, TINY, torchrun
+from safetensors.torch import save_file
+
+from protocol_models.model.subspace import orthonormalize
 
 DEBUG = REPO / "configs" / "debug_cpu.toml"
 
@@ -125,24 +129,32 @@ def _launch_two_nodes(tmp_path, node_ranks: list[int], *per_node: list[str], res
     ]  # fmt: skip
 
 
-def test_seed_mismatch_between_nodes_is_refused_at_startup_and_not_restarted(tmp_path):
-    """Two torchrun "nodes" (one stage each) launched with different protocol.seed and two
-    restarts allowed: a user error is deterministic, so the run ends after the first attempt,
-    its last line the error."""
+@pytest.mark.parametrize("differs", ["seed", "basis file"])
+def test_subspace_mismatch_between_nodes_is_refused_at_startup_and_not_restarted(tmp_path, differs):
+    """Two torchrun "nodes" (one stage each) launched with different protocol.seed, or each with
+    a basis file of other contents on its own disk, and two restarts allowed: a user error is
+    deterministic, so the run ends after the first attempt, its last line the error."""
+    if differs == "seed":
+        settings = [["--protocol.seed", "7"], ["--protocol.seed", "8"]]
+        named = ["seed=7", "seed=8"]
+    else:
+        for rank in (0, 1):  # each node its own file
+            (tmp_path / f"node{rank}").mkdir()
+            u = orthonormalize(torch.randn(64, 4, generator=torch.Generator().manual_seed(rank)))
+            save_file({"basis": u.contiguous()}, str(tmp_path / f"node{rank}" / "u.safetensors"))
+        settings = [["--protocol.basis_file", str(tmp_path / f"node{r}" / "u.safetensors")]
+                    for r in (0, 1)]  # fmt: skip
+        named = ["stage(s) [0] on rank(s) [0]", "stage(s) [1] on rank(s) [1]", "basis_file"]
     nodes = _launch_two_nodes(
         tmp_path, [0, 1],
-        *(["--dump_folder", str(tmp_path / f"node{rank}"), "--protocol.seed", str(seed)]
-          for rank, seed in ((0, 7), (1, 8))),
+        *(["--dump_folder", str(tmp_path / f"node{rank}"), *settings[rank]] for rank in (0, 1)),
         restarts=2,
     )  # fmt: skip
     for node in nodes:
         out, err = node.communicate(timeout=300)
         assert node.returncode == 2, err[-3000:]
-        assert (
-            "error: pipeline stages disagree on the subspace" in err
-            and "seed=7" in err
-            and "seed=8" in err
-        )
+        assert "error: pipeline stages disagree on the subspace" in err
+        assert all(n in err for n in named), err[-3000:]
         # the worker's line, then the launcher's: no second attempt met the error again
         assert err.count("pipeline stages disagree") == 2, err[-3000:]
         assert err.strip().splitlines()[-1].endswith("(not restarted: a user error would recur)")

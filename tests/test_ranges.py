@@ -34,7 +34,7 @@ FREE_TEXT = {
     "dataloader.cache_dir",
     *("parallelism.module_fqns_per_model_part", "parallelism.pipeline_parallel_schedule_csv"),
     "parallelism.context_parallel_ptrr_mask_key",
-    *("checkpoint.folder", "checkpoint.initial_load_path"),
+    *("checkpoint.folder", "checkpoint.initial_load_path", "protocol.basis_file"),
     *("comm.save_traces_folder", "comm.save_traces_file_prefix", "debug.save_config_file"),
 }
 """String keys that hold paths, names, prompts or tags: any text is meant. Every other string key

@@ -13,20 +13,23 @@ import logging
 import os
 from pathlib import Path
 
+from protocol_models.model.subspace import read_basis
 from protocol_models.tools.errors import ConfigError, require
 from protocol_models.training.trainer import ProtocolTrainer
 
 
 def validate_environment(config: ProtocolTrainer.Config) -> None:
-    """Checks against the file system: data, tokenizer, dump folder, checkpoint to resume. The
-    bundled Shakespeare data, when read and not yet prepared, is left to ``scripts/train.sh``
-    (which prepares it before the workers start; they check again)."""
+    """Checks against the file system: the basis file, data, tokenizer, dump folder, checkpoint
+    to resume. The bundled Shakespeare data, when read and not yet prepared, is left to
+    ``scripts/train.sh`` (which prepares it before the workers start; they check again)."""
     from protocol_models import DEVICE_TYPE
     from protocol_models.data import corpus
     from protocol_models.data import loader as data
     from protocol_models.tools import cpu_shim
 
     cpu_shim.check_device(config.hardware.device, DEVICE_TYPE)
+    if config.protocol.basis_file:
+        read_basis(config.protocol.basis_file, config.model.dim, config.protocol.k)
     pending = data.bundled_data_pending(config)
     parts = {}
     for side in ["train", "validation"] if config.validator.enable else ["train"]:

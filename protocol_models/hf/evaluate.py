@@ -124,6 +124,21 @@ def batches(
         yield batch
 
 
+def per_document_positions(record: RunRecord | None) -> bool:
+    """Whether the run's rows carry per-document positions to pass as ``position_ids``: with
+    per-document masks (``flex``/``varlen``); causal ``sdpa`` rows see ``0..seq_len-1``."""
+    return record is not None and record.model.attention != "sdpa"
+
+
+def add_row_arguments(parser: cli.Parser) -> None:
+    """Which rows ``batches`` reads: ``--text FILE``, ``--seq-len``, ``--batch-size``,
+    ``--steps``."""
+    parser.add_argument("--text", metavar="FILE", help="default: the run's validation data")
+    parser.add_argument("--seq-len", type=int, metavar="N", help="default: the run's")
+    parser.add_argument("--batch-size", type=int, metavar="N", help="default: the run's")
+    parser.add_argument("--steps", type=int, metavar="N", help="batches (-1: all)")
+
+
 def _default_steps(record: RunRecord | None, args: argparse.Namespace) -> int:
     """The run's ``[validator] steps`` on its validation data, else the whole text."""
     return record.validation_steps if record and not args.text else -1
@@ -134,8 +149,7 @@ def _main(args: argparse.Namespace) -> None:
     with model_folder(args) as folder:
         record = folder_record(folder)
         model = load_causal_lm(folder)
-        per_document = record is not None and record.model.attention != "sdpa"
-        result = evaluate(model, batches(folder, record, args), per_document)
+        result = evaluate(model, batches(folder, record, args), per_document_positions(record))
     source = args.text or "the run's validation data"
     print(
         f"loss {result.loss:.6f}  perplexity {result.perplexity:.4f}  "
@@ -146,10 +160,7 @@ def _main(args: argparse.Namespace) -> None:
 def parser() -> cli.Parser:
     p = cli.Parser(prog="python -m protocol_models.evaluate", usage=USAGE)
     add_source_arguments(p)
-    p.add_argument("--text", metavar="FILE", help="default: the run's validation data")
-    p.add_argument("--seq-len", type=int, metavar="N", help="default: the run's")
-    p.add_argument("--batch-size", type=int, metavar="N", help="default: the run's")
-    p.add_argument("--steps", type=int, metavar="N", help="batches (-1: all)")
+    add_row_arguments(p)
     return p
 
 

@@ -15,8 +15,9 @@ projection ``wo``, the MLP down projection ``w2`` and the token embedding):
 Norms are pre-norm (they only touch branch inputs), there are no biases, no dropout, no tied
 head; so by induction ``x - F[ids]`` lies in span(U) at every boundary and
 ``c = (x - F[ids]) @ U`` is lossless. ``U`` is a persistent buffer: it starts as the seeded basis
-and may later be rotated by subspace updates (``protocol_models.training.grassmann``), so
-checkpoints carry it; ``F`` never changes and is regenerated from the seed.
+(or the one in ``[protocol] basis_file``) and may later be rotated by subspace updates
+(``protocol_models.training.grassmann``), so checkpoints carry it; ``F`` never changes and is
+regenerated from the seed.
 
 The last stage's blocks, the final norm and the (untied) LM head stay full rank. In ``dense``
 mode the same recipe builds the unconstrained twin: stock llama3 blocks and a ``d``-wide wire.
@@ -38,6 +39,7 @@ zero-padded to ``d`` (``ProtocolBlock.forward``).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -214,9 +216,10 @@ class ProtocolModel(Llama3Model):
 
     Root-level buffers survive TorchTitan's pipeline split on every stage. ``F`` is
     non-persistent (regenerated from ``subspace_seed`` on every rank); ``U`` starts as the seeded
-    basis and is persistent, because subspace updates rotate it. With subspace updates on, ``U``
-    requires grad so that autograd accumulates ``dL/dU`` through the lifts and the embedding
-    (the codec uses a detached ``U``: its contributions cancel while the invariant holds).
+    basis (or ``basis_file``'s) and is persistent, because subspace updates rotate it. With
+    subspace updates on, ``U`` requires grad so that autograd accumulates ``dL/dU`` through the
+    lifts and the embedding (the codec uses a detached ``U``: its contributions cancel while the
+    invariant holds).
     A non-last stage returns ``c`` ``[mb, seq, k]`` (subspace), ``x`` ``[mb, seq, d]`` (dense)
     ``b`` ``[mb, seq, h]`` (resbm) or ``c`` ``[mb, seq, r]`` (mapl; both: its last block's
     output, ``ProtocolBlock``);
@@ -228,6 +231,8 @@ class ProtocolModel(Llama3Model):
         mode: Literal["subspace", "dense", "resbm", "mapl"] = "subspace"
         k: int = 8
         subspace_seed: int = 1234
+        basis_file: str = ""
+        """U from this file instead of the seed (``ProtocolSettings.basis_file``)."""
         table_dtype: Literal["float32", "bfloat16"] = "float32"
         parametrization: Literal["factor", "full"] = "factor"
         track_basis_grad: bool = False
@@ -251,6 +256,9 @@ class ProtocolModel(Llama3Model):
             )
         self.table_sha256 = b""
         """sha256 of ``F`` as generated (``subspace.generate``); b"" in dense mode."""
+        self.initial_basis_sha256 = b""
+        """sha256 of ``U`` as initialized (seeded or from ``basis_file``), before any checkpoint
+        is loaded or subspace update applied; b"" in dense mode."""
         self.boundary_leak: torch.Tensor | None = None
         """Max ``subspace.leak`` seen at this stage's outgoing boundary since the last reset."""
         self.measure_leak = True
@@ -274,6 +282,10 @@ class ProtocolModel(Llama3Model):
             device=device,
             table_dtype=_DTYPES[self.config.table_dtype],
         )
+        if self.config.basis_file:  # F as seeded, U from the file
+            read = subspace.read_basis(self.config.basis_file, self.config.dim, self.config.k)
+            basis = read.to(device)
+        self.initial_basis_sha256 = hashlib.sha256(basis.cpu().numpy().tobytes()).digest()
         self.basis = basis.requires_grad_(self.config.track_basis_grad)
         self.token_table = table
 
@@ -511,6 +523,7 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
         layers_per_stage=protocol.layers_per_stage,
         k=protocol.k,
         subspace_seed=protocol.seed,
+        basis_file=protocol.basis_file,
         table_dtype=protocol.table_dtype,
         parametrization=protocol.parametrization,
         track_basis_grad=subspace_mode and protocol.update_every > 0,

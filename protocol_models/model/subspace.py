@@ -8,6 +8,8 @@ Every residual-stream vector at a pipeline boundary satisfies ``x = F[ids] + c @
 
 Both buffers come from one explicit CPU generator (U drawn first, then F, block by block), so every
 stage of every node rebuilds bit-identical copies from the seed alone; nothing is communicated.
+With ``[protocol] basis_file`` U is read from that file instead (``read_basis``; F is still
+drawn), the same bytes on every node.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
+
+from protocol_models.tools.errors import ConfigError
 
 TABLE_BLOCK_ROWS = 4096
 """Rows of ``F`` drawn, hashed and copied to the device at a time (64 MB at d = 4096)."""
@@ -60,6 +64,42 @@ def generate(
         digest.update(block.float().numpy().tobytes())
         table[start : start + rows].copy_(block)
     return basis.contiguous().to(device), table, digest.digest()
+
+
+BASIS_KEY = "basis"
+"""The tensor name of U in a basis file (``[protocol] basis_file``)."""
+
+
+def read_basis(path: str, dim: int, k: int) -> torch.Tensor:
+    """U ``[dim, k]`` fp32 from the safetensors file ``path`` (``[protocol] basis_file``);
+    anything else -- no such file, no ``basis`` tensor, another shape or dtype, non-finite
+    values, columns that are not orthonormal -- is one ``ConfigError`` line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    name = f"protocol.basis_file = {path!r}"
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise ConfigError(f"{name}: not a readable safetensors file ({e})") from None
+    basis = tensors.get(BASIS_KEY)
+    if basis is None:
+        raise ConfigError(f"{name}: no tensor {BASIS_KEY!r} (has {sorted(tensors)})")
+    if basis.shape != (dim, k) or basis.dtype != torch.float32:
+        raise ConfigError(
+            f"{name}: {BASIS_KEY!r} is {basis.dtype} {list(basis.shape)}, expected "
+            f"torch.float32 [model.dim, protocol.k] = [{dim}, {k}]"
+        )
+    if not bool(torch.isfinite(basis).all()):
+        raise ConfigError(f"{name}: {BASIS_KEY!r} holds non-finite values")
+    error = float((basis.T @ basis - torch.eye(k)).abs().max())
+    allowed = leak_tolerance(torch.float32)  # what an exact boundary is held to
+    if error > allowed:
+        raise ConfigError(
+            f"{name}: the columns of {BASIS_KEY!r} are not orthonormal (|U^T U - I| up to "
+            f"{error:.2g}, allowed {allowed:.2g})"
+        )
+    return basis.contiguous()
 
 
 def orthonormalize(x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,12 @@ class ProtocolSettings:
     stages: int | None = None
     """Pipeline layout the constraint is built for (default: parallelism.pipeline_parallel_degree).
     Set it on a 1-process run to build the exact model an S-stage run trains."""
+    basis_file: str = ""
+    """A safetensors file whose tensor ``basis`` ``[model.dim, k]`` (fp32, orthonormal columns)
+    is U, read by every stage (the same file on every node: the stages compare U's digest at
+    start-up), e.g. the principal subspace of a dense pilot's boundary stream
+    (``python -m protocol_models.pilot_basis``). "" (the default): U drawn from ``seed``. F is
+    drawn from ``seed`` either way; subspace updates start from the file's U."""
     table_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage dtype of F on every stage (V x d: 2.1 GB fp32 at LLaMA-3 8B sizes, half in bf16).
     The codec always computes in fp32; bf16 storage rounds F once, identically on every stage."""
@@ -87,6 +93,11 @@ class ProtocolSettings:
             every == 0 or self.mode == "subspace",
             f"protocol.update_every = {every}: subspace updates need protocol.mode = 'subspace' "
             f"(got {self.mode!r})",
+        )
+        require(
+            not self.basis_file or self.mode == "subspace",
+            f"protocol.basis_file = {self.basis_file!r}: a basis file needs protocol.mode = "
+            f"'subspace' (got {self.mode!r})",
         )
         if self.rvq_stages:
             self._check_rvq()

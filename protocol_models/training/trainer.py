@@ -190,6 +190,7 @@ class ProtocolTrainer(Trainer):
         self.metrics_processor.wire = self.wire  # as TorchTitan hands it optimizers, model_parts
         self.check_stages_agree()
         self.table_digest = self.model_parts[0].table_sha256
+        self.basis_digest = self.model_parts[0].initial_basis_sha256
         self.norm_exchange = None
         self._step_losses: list[torch.Tensor] = []
         """This step's losses, one per gradient-accumulation step (``forward_backward_step``)."""
@@ -208,26 +209,30 @@ class ProtocolTrainer(Trainer):
         return self.optimizers.subspace
 
     def check_stages_agree(self) -> None:
-        """Every pipeline stage must hold the same subspace (U, F and their seed) and layout;
-        a mismatch (e.g. two nodes launched with different [protocol] settings) would decode
-        silently wrong activations, so it stops the run before step 1."""
-        if not self.parallel_dims.pp_enabled:
+        """Every rank, every pipeline stage and every data-parallel replica of one, must hold
+        the same subspace (U, F and their seed, or the same ``basis_file`` contents) and layout;
+        a mismatch (e.g. two nodes launched with different [protocol] settings or basis files)
+        would decode silently wrong activations, or average the gradients of different models,
+        so it stops the run before step 1 (one gather over the world, at start-up)."""
+        dims = self.parallel_dims
+        if not dims.pp_enabled:
             return
-        mine = (
-            protocol_identity(self.config),
-            _subspace_digest(self.model_parts[0]),
-        )
-        group = self.parallel_dims.get_mesh("pp").get_group()
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        if len(set(everyone)) > 1:
-            stages = "; ".join(
-                f"stage {i}: {identity}, U/F sha256 {h[:12]}"
-                for i, (identity, h) in enumerate(everyone)
+        mine = (protocol_identity(self.config), _subspace_digest(self.model_parts[0]))
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (dims.get_mesh("pp").get_local_rank(), *mine))
+        holders: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        for rank, (stage, *held) in enumerate(everyone):
+            holders.setdefault(tuple(held), []).append((rank, stage))
+        if len(holders) > 1:
+            views = "; ".join(
+                f"stage(s) {sorted({s for _, s in who})} on rank(s) {[r for r, _ in who]}: "
+                f"{identity}, U/F sha256 {h[:12]}"
+                for (identity, h), who in holders.items()
             )
             raise StartupError(
-                f"pipeline stages disagree on the subspace ({stages}); every node must run "
-                "the same [model] and [protocol] settings"
+                f"pipeline stages disagree on the subspace ({views}); every node must run "
+                "the same [model] and [protocol] settings, with the same protocol.basis_file "
+                "contents"
             )
 
     def init_distributed(self) -> ParallelDims:
@@ -287,12 +292,16 @@ class ProtocolTrainer(Trainer):
 
     def state_dict(self) -> dict[str, Any]:
         """TorchTitan's train state plus the subspace's: a sha256 of F (regenerated from the
-        seed, verified on load) and, with updates on, the update count and this rank's window
-        sum of ``dL/dU`` (U itself is a model buffer)."""
+        seed, verified on load), one of U as the run started (seeded or from ``basis_file``:
+        a resume from another one is refused) and, with updates on, the update count and this
+        rank's window sum of ``dL/dU`` (U itself is a model buffer)."""
         state = super().state_dict()
         if self.table_digest:
             state["subspace_table_sha256"] = torch.frombuffer(
                 bytearray(self.table_digest), dtype=torch.uint8
+            )
+            state["subspace_initial_basis_sha256"] = torch.frombuffer(
+                bytearray(self.basis_digest), dtype=torch.uint8
             )
         if self.subspace_tracker is not None:
             state.update(self.subspace_tracker.state_dict(dist.get_rank()))
@@ -307,6 +316,15 @@ class ProtocolTrainer(Trainer):
                 f"token table F than protocol.seed = {self.config.protocol.seed} generates "
                 f"(sha256 {bytes(stored.tolist()).hex()[:12]} vs {self.table_digest.hex()[:12]});"
                 " resume with the run's original [protocol] seed and [model] sizes"
+            )
+        initial = state_dict.get("subspace_initial_basis_sha256")
+        if initial is not None and bytes(initial.tolist()) != self.basis_digest:
+            source = self.config.protocol.basis_file or "'' (the seeded U)"
+            stored = bytes(initial.tolist()).hex()[:12]
+            raise StartupError(
+                f"checkpoint in {self.config.checkpoint.folder!r} was trained from another U than "
+                f"protocol.basis_file = {source} gives (sha256 {stored} vs "
+                f"{self.basis_digest.hex()[:12]}); resume with the basis the run started from"
             )
         if self.subspace_tracker is not None:
             self.subspace_tracker.load_state_dict(state_dict, dist.get_rank())

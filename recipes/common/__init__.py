@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,7 +108,10 @@ def train_cached(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1
                 indent=1,
             )  # fmt: skip
         )
-        with _run_slot():
+        # a run cut short left checkpoints (a model-only last one, maybe): start it over, so its
+        # metrics, log and wall time cover the whole run
+        shutil.rmtree(folder / "checkpoint", ignore_errors=True)
+        with run_slot():
             single = ["--parallelism.pipeline_parallel_degree", "1"] if nproc == 1 else []
             final_weights = ["--checkpoint.enable", "--checkpoint.last_save_model_only"]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -142,8 +146,9 @@ def _locked(path: Path):
 
 
 @contextlib.contextmanager
-def _run_slot():
-    """Hold one of ``PARALLEL_RUNS`` machine-wide slots while a run trains."""
+def run_slot():
+    """Hold one of ``PARALLEL_RUNS`` machine-wide slots while a run trains (or a recipe computes
+    in its own process, so that it does not slow the runs it times)."""
     slots = RUN_CACHE / ".slots"
     slots.mkdir(parents=True, exist_ok=True)
     while True:
