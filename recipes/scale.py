@@ -153,13 +153,17 @@ def save(results: dict) -> None:
         os.replace(staging, RESULTS)
 
 
+_SPECTRA = threading.Lock()
+"""One checkpoint measured at a time (two threads importing transformers at once can fail)."""
+
+
 def spectra(folder: Path, k: int, step: int) -> dict:
     """The concentration measures of one checkpoint of a run (see the module docstring),
     computed in a run slot on one thread, so they do not slow a run being timed."""
     source = argparse.Namespace(hf=None, checkpoint=str(folder / "checkpoint"), step=step,
                                 toml=None, overrides=[])  # fmt: skip
     rows = argparse.Namespace(text=None, seq_len=None, batch_size=None, steps=STREAM_BATCHES)
-    with run_slot(), model_folder(source) as hf:
+    with _SPECTRA, run_slot(), model_folder(source) as hf:
         record = folder_record(hf)
         model = load_causal_lm(hf)
         blocks = boundary_blocks(record)
