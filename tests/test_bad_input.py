@@ -1,9 +1,13 @@
 """Bad input is refused with one line naming the problem and what is allowed: by the launcher's
 check before any worker starts (and without touching the dump folder), or -- for a seed mismatch
-between nodes, which only the stages themselves can see -- at start-up, before step 1."""
+between nodes, which only the stages themselves can see -- at start-up, before step 1. The table
+of cases runs the check the launcher runs (``protocol_models.config``) in this process; that
+``scripts/train.sh`` stops on its line before any worker is tested through the script."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 import socket
 import subprocess
@@ -14,6 +18,7 @@ import torch
 from conftest import REPO, TINY, torchrun
 from safetensors.torch import save_file
 
+from protocol_models.config import run_config
 from protocol_models.model.subspace import orthonormalize
 
 DEBUG = REPO / "configs" / "debug_cpu.toml"
@@ -48,27 +53,44 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_refused_before_any_worker(tmp_path, case):
+def test_refused_by_the_check(tmp_path, case):
     overrides, key = CASES[case]
     dump = tmp_path / "dump"
     _assert_refused(["--dump_folder", str(dump), *overrides], key)
+    assert not dump.exists(), "the check wrote into the dump folder"
+
+
+@pytest.mark.parametrize("case", ["unknown key", "unwritable dump folder"])
+def test_the_launcher_stops_before_any_worker(tmp_path, case):
+    overrides, key = CASES[case]
+    dump = tmp_path / "dump"
+    _assert_refused(["--dump_folder", str(dump), *overrides], key, launcher=True)
     assert not dump.exists(), "a worker started and wrote into the dump folder"
 
 
-def _assert_refused(args: list[str], key: str, toml=DEBUG) -> str:
-    result = subprocess.run(
-        ["bash", "scripts/train.sh", str(toml), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+def _assert_refused(args: list[str], key: str, toml=DEBUG, launcher: bool = False) -> str:
+    """The one ``error:`` line naming ``key``: of ``scripts/train.sh`` (``launcher``), else of
+    the check it runs first, called in this process."""
+    if launcher:
+        result = subprocess.run(
+            ["bash", "scripts/train.sh", str(toml), *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        code, out, err = result.returncode, result.stdout, result.stderr
+    else:
+        out_buffer, err_buffer = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out_buffer), contextlib.redirect_stderr(err_buffer):
+            code = run_config.main(["--toml", str(toml), *args])
+        out, err = out_buffer.getvalue(), err_buffer.getvalue()
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and key in lines[0], lines[0]
-    assert "Traceback" not in result.stdout + result.stderr
-    assert "Mbit" not in result.stdout and "step:" not in result.stdout, "a worker started"
+    assert "Traceback" not in out + err
+    assert "Mbit" not in out and "step:" not in out, "a worker started"
     return lines[0]
 
 
@@ -106,6 +128,7 @@ def test_resume_with_a_different_k_is_refused(tmp_path):
         ["--dump_folder", str(dump), "--checkpoint.enable", "--protocol.k", "8"],
         "protocol.k",
         toml=TINY,
+        launcher=True,
     )
     assert "basis is [64, 4] there but [64, 8]" in line
     assert sorted(str(p) for p in dump.rglob("*")) == before, "the dump folder was modified"

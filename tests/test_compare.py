@@ -1,6 +1,7 @@
-"""The codec-comparison harness end to end (``recipes/compare.py --quick``: tiny model, 12 steps,
-every codec, ResBM and MAPL trained in one process with in-graph boundaries, then the error-vs-depth
-diagnostic), and what an ``--only`` pass records."""
+"""The codec-comparison harness end to end (``recipes/compare.py --quick``: tiny model, 6 steps,
+dense with two seeds, the subspace, a lossy codec, ResBM and MAPL trained in one process with
+in-graph boundaries, then the error-vs-depth diagnostic of every codec), and what an ``--only``
+pass records."""
 
 from __future__ import annotations
 
@@ -24,17 +25,17 @@ def test_compare_quick_writes_well_formed_results(tmp_path):
     results = json.loads((out / "results.json").read_text())
     runs = results["runs"]
     codecs = {"topk K=3", "quant int2", "lowrank k=4", "svd r=2"}
-    assert set(runs) == {"dense", "subspace k=4", "resbm h=4", "mapl r=4", *codecs}
+    assert set(runs) == {"dense", "subspace k=4", "quant int2", "resbm h=4", "mapl r=4"}
     assert len(runs["dense"]["seeds"]) == 2
     for name, entry in runs.items():
         for seed in entry["seeds"].values():
             steps = [step for step, _ in seed["val_curve"]]
-            assert steps[-1] == 12 and all(math.isfinite(loss) for _, loss in seed["val_curve"])
+            assert steps[-1] == 6 and all(math.isfinite(loss) for _, loss in seed["val_curve"])
         b = entry["bytes_per_step"]
         assert b["dense"] == 2 * 4 * 64 * 64 * 4  # fwd + bwd of 4 microbatches [1, 64, 64] fp32
         assert entry["ratio"] == b["dense"] / (b["fwd"] + b["bwd"])
         assert (entry["ratio"] == 1) == (name == "dense")
-    assert runs["subspace k=4"]["ratio"] == runs["lowrank k=4"]["ratio"] == 16
+    assert runs["subspace k=4"]["ratio"] == 16
     assert runs["resbm h=4"]["ratio"] == 16 and runs["resbm h=4"]["mode"] == "resbm"
     assert runs["mapl r=4"]["ratio"] == 16 and runs["mapl r=4"]["mode"] == "mapl"
     depth = results["error_vs_depth"]

@@ -10,6 +10,7 @@ from conftest import REPO
 from protocol_models.config.run_config import ConfigError, load_config, parse_overrides
 
 DEBUG = str(REPO / "configs" / "debug_cpu.toml")
+ASYNC = ["--parallelism.pipeline_parallel_schedule", "Async1F1B"]
 
 
 def test_tables_reach_trainer_config():
@@ -90,6 +91,25 @@ def test_override_literals():
         (
             ["--validator.dataloader.files", "x.jsonl"],
             "[validator.dataloader]: the validation data is part of [dataloader]",
+        ),
+        *(
+            ([*ASYNC, *extra], message)
+            for extra, message in [
+                (["--parallelism.data_parallel_shard_degree", "2"],
+                 "parallelism.data_parallel_shard_degree = 2: parallelism.pipeline_parallel_schedule"
+                 " = 'Async1F1B' runs one process per pipeline stage"),
+                (["--protocol.mode", "mapl"], "protocol.mode = 'mapl': parallelism.pipeline"),
+                (["--protocol.update_every", "10"], "protocol.update_every = 10: parallelism."),
+                (["--activation_checkpoint", "full"], "activation_checkpoint = 'full': "),
+                (["--training.global_batch_size", "16"], "training.global_batch_size = 16: "),
+                (["--transport.prepost_receives", "false"], "transport.prepost_receives = false"),
+                (["--transport.async_hop_depth", "4"],
+                 "transport.async_hop_depth = 4: with 2 stages and 4 microbatches per step the "
+                 "first stage's backwards may trail by at most 3, so the hop depth must be in "
+                 "[1, 3]"),
+                (["--parallelism.pipeline_parallel_microbatch_size", "8"],
+                 "which needs at least 2 microbatches per step"),
+            ]
         ),
     ],
 )

@@ -22,9 +22,8 @@ N_MB = 4
 COMPARED = ("loss", "grad_norm", "wire/fwd_bytes", "wire/bwd_bytes", "wire/messages")
 
 
-@pytest.mark.parametrize(
-    ("schedule", "wire"),
-    [("GPipe", "exact"), ("GPipe", "8-bit"), ("1F1B", "exact"), ("1F1B", "8-bit")],
+@pytest.mark.parametrize(  # each schedule once and each wire once: they are independent axes
+    ("schedule", "wire"), [("GPipe", "8-bit"), ("1F1B", "exact")]
 )
 def test_preposted_receives_equal_just_in_time(tmp_path, schedule, wire):
     """3 stages (the middle one pre-posts both directions): the same losses, gradient norms,

@@ -91,6 +91,15 @@ share of the passes: the pipeline's fill and drain), ``latency`` (the fill and d
 every stage) and ``collectives``. FSDP's collectives inside a region and the optimizer step are
 not counted.
 
+Next to it, every column predicts the ``Async1F1B`` step (``predict_async_step``): no fill and
+drain in steady state, one microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` per
+stage, where ``d`` is the hop depth (the configured one under ``Async1F1B``, else the smallest
+that hides the round trip, at most what the microbatches allow) -- a depth too small for the link
+makes it slower than GPipe --, plus the log steps' all-gather and, at every flush (validation,
+checkpoint, last step), the synchronous fill and drain. Under ``Async1F1B`` a stage also holds
+its depth + 1 microbatches' activations and two fp32 weight versions with their gradients
+(``versions``).
+
 Proposed split: over the ``layers_per_stage`` whose every stage fits, the one with the smallest
 busiest-stage compute time per step (a stage's blocks are constrained unless it is the last;
 the first holds the embedding, the last the norm and LM head), then the smallest largest-stage
@@ -110,13 +119,19 @@ from dataclasses import dataclass
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-from protocol_models.config.run_config import load_config, split_argv
+from protocol_models.config.run_config import check_async, load_config, split_argv
 from protocol_models.model.boundary import BOUNDARIES, label
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.model import build_model_config
 from protocol_models.tools.errors import UserError
 from protocol_models.training.optimizers import OPTIMIZERS
 from protocol_models.wire import codec_for
+from protocol_models.wire.async_schedule import (
+    ASYNC_SCHEDULE,
+    hop_depth,
+    max_hop_depth,
+    stage_depths,
+)
 from protocol_models.wire.link import rendezvous_period, serialization_seconds, transfer_seconds
 from protocol_models.wire.meter import ring_rounds
 from protocol_models.wire.pipeline import split_stage
@@ -244,6 +259,10 @@ def stage_cost(
     in_flight = n_mb
     if par.pipeline_parallel_schedule == "1F1B":
         in_flight = min(n_mb, n_stages - stage)
+    asynchronous = par.pipeline_parallel_schedule == ASYNC_SCHEDULE
+    if asynchronous:
+        depth = stage_depths(n_stages, config.transport.async_hop_depth)[stage]
+        in_flight = min(n_mb, depth + 1)
 
     unsaved = a * (7 * d + 2 * kv + 4 * arch.hidden_dim) + 4 * heads
     ac = config.activation_checkpoint
@@ -277,6 +296,7 @@ def stage_cost(
         "activations": activations,
         "logits": logits,
         "F and U": v * d * table_bytes + 4 * d * protocol.k if subspace else 0.0,
+        **({"versions": 16 * params} if asynchronous else {}),  # two fp32 copies + gradients
         "context": CUDA_CONTEXT,
     }
     matmul_weights = n_blocks * weights + boundary_weights(config, stage) + (v * d if last else 0)
@@ -458,6 +478,51 @@ def predict_step(
     }
 
 
+def predict_async_step(
+    config, plans: list[StagePlan], synchronous: dict, bandwidth_mbps: float | None,
+    latency_ms: float, mfu: float,
+) -> dict:  # fmt: skip
+    """The ``Async1F1B`` step of ``plans`` (``wire.async_schedule``), next to the synchronous
+    prediction ``synchronous`` of the same layout: no fill and drain in steady state, each stage a
+    microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` (``T`` the busiest stage's
+    forward + backward, ``x`` a message's serialization, ``d`` the hop depth: the configured one
+    under ``Async1F1B``, else the smallest that hides the round trip, at most the largest the
+    microbatches allow), so ``M`` periods a step; a log step's metrics all-gather (they do not ride
+    on the per-batch norm exchange), and at every flush (validation, checkpoint, last step) the
+    synchronous step's fill and drain. Seconds: ``hop_needed``, ``hop``, ``steady_s``,
+    ``collectives_s``, ``flushes_s`` (amortized per step), ``step_s``; ``tokens_per_s``."""
+    _, n_mb, _ = _microbatching(config)
+    stages, replicas = config.layout_stages, config.replicas
+    bandwidth_bps = bandwidth_mbps * 1e6 if bandwidth_mbps else math.inf
+    latency = latency_ms / 1e3
+    fwd_msg, bwd_msg = message_bytes(config)
+    wire = max(serialization_seconds(replicas * n, bandwidth_bps) for n in (fwd_msg, bwd_msg))
+    fwd = max(_compute_seconds(config, p.fwd_flops, mfu) for p in plans)
+    bwd = max(_compute_seconds(config, p.bwd_flops, mfu) for p in plans)
+    slot = max(_compute_seconds(config, p.fwd_flops + p.bwd_flops, mfu) for p in plans)
+    needed = hop_depth(latency, wire, fwd, bwd, slot)
+    if config.parallelism.pipeline_parallel_schedule == ASYNC_SCHEDULE:
+        hop = config.transport.async_hop_depth
+    else:
+        hop = max(1, min(needed, max_hop_depth(stages, n_mb)))
+    period = max(slot, (2 * (latency + wire) + fwd + bwd) / hop, wire)
+    steady = n_mb * period
+    rounds = ring_rounds("all_gather", stages) / config.metrics.log_freq if stages > 1 else 0.0
+    collectives = rounds * latency
+    training, validator, ckpt = config.training, config.validator, config.checkpoint
+    flush_steps = {training.steps}
+    if validator.enable:
+        flush_steps |= {1, *range(validator.freq, training.steps + 1, validator.freq)}
+    if ckpt.enable:
+        flush_steps |= set(range(ckpt.interval, training.steps + 1, ckpt.interval))
+    drain = max(0.0, synchronous["step_s"] - synchronous["collectives_s"] - steady)
+    flushes = drain * len(flush_steps) / training.steps
+    step = steady + collectives + flushes
+    tokens = replicas * training.local_batch_size * training.seq_len
+    return {"hop_needed": needed, "hop": hop, "steady_s": steady, "collectives_s": collectives,
+            "flushes_s": flushes, "step_s": step, "tokens_per_s": tokens / step}  # fmt: skip
+
+
 def collective_rounds_per_step(config) -> float:
     """Latency rounds of the collectives across the pipeline on a step's critical path, on
     average (module docstring): the gradient norm's all-reduce unless it is exchanged, and a
@@ -575,8 +640,20 @@ def render(
         ("= predicted step time", lambda r: f"{r['step_s']:.2f} s"),
         (f"tokens/s ({world} GPUs)", lambda r: f"{r['tokens_per_s']:,.0f}"),
     ]
+    async_rows = [
+        ("Async1F1B: hop depth (needed for no wait)",
+         lambda r: f"{r['async']['hop']} ({r['async']['hop_needed']})"),
+        ("Async1F1B: steady step (M periods)", lambda r: f"{r['async']['steady_s']:.2f} s"),
+        ("+ log-step all-gather", lambda r: f"{r['async']['collectives_s']:.2f} s"),
+        ("+ flushes (fill and drain, per step)", lambda r: f"{r['async']['flushes_s']:.2f} s"),
+        ("= Async1F1B step", lambda r: f"{r['async']['step_s']:.2f} s"),
+        (f"Async1F1B tokens/s ({world} GPUs)", lambda r: f"{r['async']['tokens_per_s']:,.0f}"),
+    ]  # fmt: skip
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join(cell(r) for r in predictions.values()) + " |")
+    for name, cell in async_rows:
+        cells = [cell(r) if r["async"] else "n/a" for r in predictions.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -602,17 +679,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     plans = plan_stages(config)
     other = twin(config)
-    predictions = {
-        _label(c): predict_step(c, p, known.bandwidth_mbps, known.latency_ms, known.mfu)
-        for c, p in sorted(
-            [(config, plans), (other, plan_stages(other))],
-            key=lambda cp: cp[0].protocol.mode != "dense",
-        )
-    }
+    predictions = {}
+    for c, p in sorted([(config, plans), (other, plan_stages(other))],
+                       key=lambda cp: cp[0].protocol.mode != "dense"):  # fmt: skip
+        sync = predict_step(c, p, known.bandwidth_mbps, known.latency_ms, known.mfu)
+        try:
+            check_async(c)
+            sync["async"] = predict_async_step(c, p, sync, known.bandwidth_mbps,
+                                               known.latency_ms, known.mfu)  # fmt: skip
+        except UserError as e:
+            sync["async"], async_refused = None, str(e)
+        predictions[_label(c)] = sync
     wire = wire_plan(config)
     print(
         render(config, plans, wire, predictions, known.bandwidth_mbps, known.latency_ms, known.mfu)
     )
+    if any(r["async"] is None for r in predictions.values()):
+        print(f"\nAsync1F1B is not predicted for this layout: {async_refused}")
     limit = config.hardware.usable_memory_gib * GIB
     too_big = [p for p in plans if p.total_bytes > limit]
     _print_proposal(config, plans, known.mfu, known.propose_split or bool(too_big))

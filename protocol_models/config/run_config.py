@@ -49,6 +49,7 @@ from protocol_models.tools.ranges import OneOf
 from protocol_models.training.checkpointing import ProtocolCheckpointManager
 from protocol_models.training.optimizers import OPTIMIZERS, OptimizerSettings
 from protocol_models.training.trainer import ProtocolTrainer
+from protocol_models.wire.async_schedule import ASYNC_SCHEDULE, max_hop_depth
 
 __all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "validate"]
 
@@ -214,11 +215,76 @@ def validate(config: ProtocolTrainer.Config) -> None:
         not prompts or not model.loss_chunk_tokens,
         "metrics.sample_prompts needs the logits: model.loss_chunk_tokens = 0",
     )
+    if par.pipeline_parallel_schedule == ASYNC_SCHEDULE:
+        check_async(config)
+    compensation = config.optimizer.delay_compensation
+    require(
+        compensation == 0 or par.pipeline_parallel_schedule == ASYNC_SCHEDULE,
+        f"optimizer.delay_compensation = {compensation}: corrects a delayed "
+        "gradient, which only parallelism.pipeline_parallel_schedule = 'Async1F1B' has",
+    )
     require(
         not config.validator.enable or config.dataloader.has_validation,
         "validator.enable = true, but [dataloader] names no validation data: set "
         "dataloader.validation_files, validation_fraction or (with hf_dataset) validation_split",
     )
+
+
+def check_async(config: ProtocolTrainer.Config) -> None:
+    """What the asynchronous schedule (``Async1F1B``, one GPU per stage) cannot run, each refused
+    with the reason."""
+    par, protocol, training = config.parallelism, config.protocol, config.training
+    pp, name = par.pipeline_parallel_degree, "parallelism.pipeline_parallel_schedule = 'Async1F1B'"
+    for key in ("data_parallel_replicate_degree", "data_parallel_shard_degree",
+                "tensor_parallel_degree", "context_parallel_degree"):  # fmt: skip
+        value = getattr(par, key)
+        require(
+            value in (1, -1) if key == "data_parallel_shard_degree" else value == 1,
+            f"parallelism.{key} = {value}: {name} runs one process per pipeline stage (its "
+            "gradients live in per-stage weight versions that no data-parallel reduction "
+            "sees); use GPipe or 1F1B to combine pipelining with data parallelism",
+        )
+    require(
+        training.global_batch_size in (-1, training.local_batch_size),
+        f"training.global_batch_size = {training.global_batch_size}: {name} takes one schedule "
+        f"call per step (no gradient accumulation): set it to -1 or local_batch_size",
+    )
+    require(
+        protocol.mode != "mapl",
+        f"protocol.mode = 'mapl': {name} cannot delay MAPL's per-step boundary synchronization; "
+        "use GPipe or 1F1B",
+    )
+    require(
+        protocol.update_every == 0,
+        f"protocol.update_every = {protocol.update_every}: {name} does not move the subspace "
+        "(the dL/dU of two batches in flight would mix); set it to 0",
+    )
+    ac = next((key for key, kind in ACTIVATION_CHECKPOINT.items()
+               if kind and isinstance(config.activation_checkpoint, kind)), "none")  # fmt: skip
+    require(
+        ac == "none",
+        f"activation_checkpoint = {ac!r}: {name} "
+        "forwards each batch with its own weight version, which a recompute in the backward "
+        "would not use; set activation_checkpoint = 'none'",
+    )
+    transport = config.transport
+    require(
+        pp == 1 or (transport.prepost_receives and transport.exchange_grad_norm),
+        f"transport.prepost_receives = {str(transport.prepost_receives).lower()}, "
+        f"exchange_grad_norm = {str(transport.exchange_grad_norm).lower()}: {name} posts each "
+        "step's receives and its norm exchange ahead; set both to true",
+    )
+    if pp > 1:
+        n_mb = training.local_batch_size // par.pipeline_parallel_microbatch_size
+        limit = max_hop_depth(pp, n_mb)
+        require(
+            transport.async_hop_depth <= limit,
+            f"transport.async_hop_depth = {transport.async_hop_depth}: with {pp} stages and {n_mb} "
+            f"microbatches per step the first stage's backwards may trail by at most {n_mb - 1}, "
+            + (f"so the hop depth must be in [1, {limit}]" if limit else
+               f"which needs at least {pp} microbatches per step (training.local_batch_size / "
+               "parallelism.pipeline_parallel_microbatch_size)"),
+        )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

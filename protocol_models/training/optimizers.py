@@ -312,6 +312,8 @@ class GuardedOptimizers(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         skip_nonfinite_steps: int = 0
+        delay_compensation: float = 0.0
+        """``[optimizer] delay_compensation`` (``_compensate``)."""
         name: str = "adamw"
         """The ``[optimizer] name`` (an ``OPTIMIZERS`` key) the param groups come from."""
 
@@ -327,10 +329,14 @@ class GuardedOptimizers(OptimizersContainer):
     boundary_sync = None
     """The ``mapl_sync.BoundarySync`` in ``mapl`` mode: it sums the two copies' gradients of
     every boundary before each step (before the finiteness check), so both copies step alike."""
+    delayed = None
+    """The ``delayed.DelayedUpdates`` of an ``Async1F1B`` run: ``step`` applies its due updates,
+    each one guarded step with its own gradient norm (none when none is due)."""
 
     def __init__(self, config: Config, *, model_parts):
         super().__init__(config, model_parts=model_parts)
         self.skip_budget = config.skip_nonfinite_steps
+        self.delay_compensation = config.delay_compensation
         self.skipped_steps: list[int] = []
 
     @staticmethod
@@ -343,6 +349,43 @@ class GuardedOptimizers(OptimizersContainer):
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def step(self, closure=None):
+        if self.delayed is None:
+            return self._guarded_step(closure)
+        for update in self.delayed.due:
+            self.delayed.load(update)
+            if self.delay_compensation:
+                self._compensate(update.weights)
+            self.reduced_grad_norm = update.norm
+            self._guarded_step(closure)
+        self.delayed.applied()
+        return None
+
+    @torch.no_grad()
+    def _compensate(self, weights: list[torch.Tensor]) -> None:
+        """Delay compensation (DC-ASGD, Zheng et al. 2017, in its adaptive form) of the loaded
+        gradients, computed at ``weights`` (in ``delayed.params`` order) and applied to the
+        current ones: ``g += lambda * g * g * (W_now - W_then) / (sqrt(v) + eps)``, a first-order
+        step of the gradient from where it was computed to where it is applied (the diagonal
+        Hessian approximated by ``g * g``), with ``v`` the parameter's bias-corrected AdamW second
+        moment as the mean square. Parameters without one (Muon's matrices, before their first
+        step) keep their gradient. After clipping: the norm and the non-finite guard see the
+        gradient as computed."""
+        then = {id(p): w for p, w in zip(self.delayed.params, weights, strict=True)}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    state = optimizer.state.get(p, {})
+                    if "exp_avg_sq" not in state or p.grad is None:
+                        continue
+                    corrected = 1 - torch.pow(group["betas"][1], state["step"])  # no host sync
+                    rms = (state["exp_avg_sq"] / corrected).sqrt() + group["eps"]
+                    g = p.grad
+                    shift = g * g * (p.detach() - then[id(p)].detach()) / rms
+                    g.add_(shift, alpha=self.delay_compensation)
+
+    def _guarded_step(self, closure=None):
+        """One optimizer step over the parameters' gradients, refused when they are not finite
+        (class docstring)."""
         if self.boundary_sync is not None:
             self.boundary_sync.sum_gradients()
         if self._gradients_finite():
@@ -389,6 +432,10 @@ class OptimizerSettings:
     """AdamW kernels; ``auto``: ``fused`` on an accelerator, ``foreach`` on CPU."""
     skip_nonfinite_steps: int = 0
     """Non-finite steps to skip before the run stops (0: stop at the first)."""
+    delay_compensation: float = 0.0
+    """Under the asynchronous schedule (``Async1F1B``, each gradient applied one step late):
+    ``lambda`` of the DC-ASGD correction of the AdamW-updated parameters' gradients
+    (``GuardedOptimizers._compensate``); 0: none."""
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
@@ -400,6 +447,7 @@ class OptimizerSettings:
         "eps": POSITIVE,
         "weight_decay": AT_LEAST_0,
         "skip_nonfinite_steps": AT_LEAST_0,
+        "delay_compensation": AT_LEAST_0,
         "muon_lr": POSITIVE,
         "muon_momentum": Range(low=0, high=1, high_open=True),
         "muon_weight_decay": AT_LEAST_0,
@@ -457,5 +505,6 @@ class OptimizerSettings:
             param_groups=groups,
             implementation=self._resolved_implementation(),
             skip_nonfinite_steps=self.skip_nonfinite_steps,
+            delay_compensation=self.delay_compensation,
             name=self.name,
         )

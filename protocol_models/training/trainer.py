@@ -13,6 +13,9 @@
 * With ``[model] loss_chunk_tokens``, the labels reach every stage as the kwarg ``labels``; the
   last stage returns the summed loss and ``ModelLoss`` normalizes it
   (``protocol_models.model.loss``).
+* With ``[parallelism] pipeline_parallel_schedule = "Async1F1B"`` every step applies the previous
+  step's gradient (``training.delayed``); the trainer tells the schedule and the rule which steps
+  flush (``flush_after_step``), and the logged ``grad_norm`` is that of the update applied.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import contextlib
 import hashlib
 import os
 import socket
+import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,6 +35,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchtitan import trainer as torchtitan_trainer
 from torchtitan.components.validate import Validator
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
@@ -45,6 +51,7 @@ from protocol_models.tools.errors import StartupError
 from protocol_models.tools.ranges import AT_LEAST_1, POSITIVE, Range, Ranges
 from protocol_models.training import run_record
 from protocol_models.training.console import Progress
+from protocol_models.training.delayed import DelayedUpdates
 from protocol_models.training.grassmann import SubspaceTracker
 from protocol_models.training.mapl_sync import BoundarySync
 from protocol_models.training.metrics import ProtocolMetricsProcessor
@@ -52,6 +59,7 @@ from protocol_models.training.optimizers import bind_subspace
 from protocol_models.training.protocol import ProtocolSettings
 from protocol_models.training.samples import sample_at_validation
 from protocol_models.wire import Wire
+from protocol_models.wire.async_schedule import ASYNC_SCHEDULE
 from protocol_models.wire.codecs import CodecSettings
 from protocol_models.wire.link import LinkSettings
 from protocol_models.wire.norm_exchange import NormExchange
@@ -202,6 +210,31 @@ class ProtocolTrainer(Trainer):
                                               timeout=init_timeout(config))  # fmt: skip
         self._steps_run = 0
         """Steps this process has trained (a resumed run starts again at 0)."""
+        self.delayed = self._delayed_updates()
+
+    def _delayed_updates(self) -> DelayedUpdates | None:
+        """The delayed update rule of an ``Async1F1B`` run (None: synchronous), given to the
+        optimizer container and, pipelined, fed by the schedule's ``gradients_ready``."""
+        if self.config.parallelism.pipeline_parallel_schedule != ASYNC_SCHEDULE:
+            return None
+        params = [p for m in self.model_parts for p in m.parameters()]
+        if self.parallel_dims.pp_enabled:
+            (stage,) = self.wire.stages
+            delayed = DelayedUpdates(params, versions=stage.versions, exchange=self.norm_exchange)
+            self.pp_schedule.gradients_ready = delayed.gradients_ready
+            schedule = self.pp_schedule
+            logger.info(
+                f"Async1F1B: hop depth {schedule.hop}, this stage's backwards trail its forwards "
+                f"by {schedule.depth} microbatches; each step applies the previous step's gradient"
+            )
+        else:
+            keep = self.config.optimizer.delay_compensation > 0
+            delayed = DelayedUpdates(params, keep_weights=keep)
+            logger.info(
+                "Async1F1B emulated in one process: each step applies the previous step's gradient"
+            )
+        self.optimizers.delayed = delayed
+        return delayed
 
     @property
     def subspace_tracker(self) -> SubspaceTracker | None:
@@ -349,10 +382,16 @@ class ProtocolTrainer(Trainer):
         for part in self.model_parts:
             part.start_leak_window(measure)
         self._step_losses = []
+        if self.delayed is not None:
+            flush = self.flush_after_step()
+            self.delayed.begin(self.step, flush)
+            if self.parallel_dims.pp_enabled:
+                self.pp_schedule.begin(self.step, flush)
         with exchanging_grad_norm(
             self.optimizers,
             self.norm_exchange,
             self.wire,
+            delayed=self.delayed,
             schedule_done=self._post_next_step if self._training_step_follows() else None,
             metrics_row=self._metrics_row if measure and self._rows_travel_with_norm() else None,
             metrics=self.metrics_processor,
@@ -365,6 +404,27 @@ class ProtocolTrainer(Trainer):
                 dist.set_timeout(train, group)
         if measure:
             logger.info(self.progress.line(self.step))
+
+    def flush_after_step(self) -> bool:
+        """Whether the asynchronous pipeline drains in this step and applies every pending
+        gradient: a checkpoint is saved after it (``[checkpoint]``, as TorchTitan decides), or no
+        training step surely follows (the last step, a validation)."""
+        ckpt, step = self.config.checkpoint, self.step
+        saves = ckpt.enable and not ckpt.load_only and (
+            step % ckpt.interval == 0 or (step == 1 and ckpt.enable_first_step_checkpoint)
+        )
+        return saves or not self._training_step_follows()
+
+    def train(self) -> None:
+        """TorchTitan's training loop, without the 2 s its rank 0 sleeps at the end "for other
+        ranks to complete": here every rank meets the others in a barrier before the process
+        group is torn down (``protocol_models.train``), which waits exactly as long as needed."""
+        no_sleep = types.SimpleNamespace(**{**vars(time), "sleep": lambda seconds: None})
+        torchtitan_trainer.time = no_sleep
+        try:
+            super().train()
+        finally:
+            torchtitan_trainer.time = time
 
     def _training_step_follows(self) -> bool:
         """Whether the next schedule step of this run is surely another training step: not the
@@ -390,6 +450,7 @@ class ProtocolTrainer(Trainer):
         step, meters its bytes)."""
         return (
             self.norm_exchange is not None
+            and self.delayed is None
             and not self.parallel_dims.dp_cp_enabled
             and self.optimizers.boundary_sync is None
         )
@@ -410,6 +471,7 @@ def exchanging_grad_norm(
     exchange: NormExchange | None,
     wire: Wire,
     *,
+    delayed: DelayedUpdates | None = None,
     schedule_done: Callable[[], None] | None = None,
     metrics_row: Callable[[], torch.Tensor] | None = None,
     metrics: ProtocolMetricsProcessor | None = None,
@@ -425,14 +487,18 @@ def exchanging_grad_norm(
 
     ``schedule_done`` runs first thing in the clipping (the step's schedule is over). With
     ``metrics_row`` (a log step), this stage's metrics row (``[width]`` float64) travels in the
-    exchange, and every stage's rows go to ``metrics.exchanged_rows`` for the log."""
+    exchange, and every stage's rows go to ``metrics.exchanged_rows`` for the log. With ``delayed``
+    (``Async1F1B``) the clipping gathers the step's due updates instead, each clipped by its own
+    norm (``DelayedUpdates.collect``: the norms travel in batch-keyed exchanges of their own)."""
     clip = dist_utils.clip_grad_norm_
 
     def clip_exchanged(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                        foreach=None, pp_mesh=None, ep_enabled=False):  # fmt: skip
         if schedule_done is not None:
             schedule_done()
-        if exchange is None or pp_mesh is None or ep_enabled or norm_type != 2.0:
+        if delayed is not None:
+            norm = delayed.collect(max_norm, foreach)
+        elif exchange is None or pp_mesh is None or ep_enabled or norm_type != 2.0:
             norm = clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh,
                         ep_enabled)  # fmt: skip
             if pp_mesh is not None:  # its all-reduce over the pipeline group
@@ -450,7 +516,7 @@ def exchanging_grad_norm(
         optimizers.reduced_grad_norm = norm
         return norm
 
-    if exchange is not None:
+    if exchange is not None and delayed is None:
         exchange.post(metrics.stage_row_width() if metrics_row else 0)
     dist_utils.clip_grad_norm_ = clip_exchanged
     try:

@@ -6,6 +6,8 @@
 * ``message``: one packed message per microbatch and direction;
 * ``link``: the slow-link simulator (``[wan]``);
 * ``transport``: receive posting (``[transport]``) and the TCP settings a long link needs;
+* ``async_schedule``, ``weight_versions``: the asynchronous ``Async1F1B`` schedule and the two
+  weight versions its stages forward with;
 * ``sizes``: the one size model of a boundary message, for every mode;
 * ``pipeline``: the model spec's pipelining and parallelize functions, which split the model
   into stages and put the wire between them.
@@ -51,6 +53,8 @@ class Wire:
     codec: Codec | None
     link: SimulatedLink | None
     prepost: bool = True
+    async_hop: int = 1
+    """The ``Async1F1B`` schedule's hop depth (``[transport] async_hop_depth``)."""
     stages: list = field(default_factory=list)
     """The ``wire.stage.WirePipelineStage`` objects of this rank (not imported here: the stage
     module imports this one)."""
@@ -71,6 +75,7 @@ class Wire:
             codec=codec_for(config),
             link=SimulatedLink(config.wan) if config.wan.enabled else None,
             prepost=config.transport.prepost_receives,
+            async_hop=config.transport.async_hop_depth,
         )
 
 

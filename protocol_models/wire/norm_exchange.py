@@ -21,6 +21,13 @@ step needs no collective of its own: every stage then holds every stage's row (`
 Messages to higher-ranked stages travel on one group, to lower-ranked on another: NCCL runs a
 communicator's operations in the order they were issued, and a receive posted at the step's start
 on a communicator shared with the send to the same peer would wait for ever.
+
+Under the asynchronous schedule (``wire.async_schedule``) a batch's gradient is complete on a stage
+when its last backward of it is done, and applied a step later: ``post_batch(b)`` posts the
+receives of batch ``b``'s norms at the start of its step, ``send(b, n_s)`` sends this stage's as
+soon as its gradient is complete, and ``total(b)`` waits for the others' when the update is due.
+Two batches may be outstanding at once; every stage posts and sends them in batch order. No
+metrics row travels this way.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class NormExchange:
         self.to_higher = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
         self.to_lower = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
         self._posted: list[tuple[int, torch.Tensor, dist.Work]] = []
+        self._batches: dict[int, list[tuple[int, torch.Tensor, dist.Work]]] = {}
+        self._batch_sends: dict[int, tuple[torch.Tensor, list[dist.Work]]] = {}
         self._row_width = 0
         self.rows: torch.Tensor | None = None
         """``[stages, width]`` float64: every stage's metrics row, from the last exchange that
@@ -66,13 +75,68 @@ class NormExchange:
         if self._posted:
             raise RuntimeError("the previous step's gradient norms were never reduced")
         self._row_width, self.rows = row_width, None
+        self._posted = self._post_receives(2 + row_width)
+
+    def _post_receives(self, width: int) -> list[tuple[int, torch.Tensor, dist.Work]]:
+        """One receive of ``width`` float64 values from every other stage; counted."""
+        posted = []
         for peer in range(len(self.ranks)):
             if peer == self.stage:
                 continue
-            buffer = torch.empty(2 + row_width, dtype=torch.float64, device=self.device)
+            buffer = torch.empty(width, dtype=torch.float64, device=self.device)
             group = self._group(peer, self.stage)
-            self._posted.append((peer, buffer, dist.irecv(buffer, group=group, group_src=peer)))
+            posted.append((peer, buffer, dist.irecv(buffer, group=group, group_src=peer)))
         self.meter.collective("grad_norm", 1)
+        return posted
+
+    def _message(self, square: torch.Tensor, row: torch.Tensor | None) -> torch.Tensor:
+        """``[n_s^2, clock, row...]`` float64 (module docstring)."""
+        if self.link is not None:
+            clock = self.link.stamp(self.device).reshape(1)
+        else:
+            clock = torch.zeros(1, dtype=torch.float64, device=self.device)
+        parts = [square.to(torch.float64).reshape(1), clock]
+        return torch.cat(parts if row is None else [*parts, row])
+
+    def _send_all(self, message: torch.Tensor) -> list[dist.Work]:
+        return [
+            dist.isend(message, group=self._group(self.stage, peer), group_dst=peer)
+            for peer in range(len(self.ranks))
+            if peer != self.stage
+        ]
+
+    def _sum(self, squares: dict[int, torch.Tensor], arrivals: list[torch.Tensor]) -> torch.Tensor:
+        """``sqrt`` of the squares summed in stage order; the link model delivers the values."""
+        if self.link is not None and arrivals:
+            self.link.exchange(float(torch.stack(arrivals).max()))
+        total = squares[0]
+        for stage in range(1, len(self.ranks)):
+            total = total + squares[stage]
+        return total**0.5
+
+    def post_batch(self, batch: int) -> None:
+        """Asynchronous schedule: post the receives of ``batch``'s norms (at its step's start)."""
+        if batch in self._batches:
+            raise RuntimeError(f"the gradient norms of batch {batch} are already expected")
+        self._batches[batch] = self._post_receives(2)
+
+    def send(self, batch: int, local_norm: torch.Tensor) -> None:
+        """Asynchronous schedule: send this stage's norm of ``batch`` (its gradient is complete)."""
+        square = local_norm.detach() ** 2
+        self._batch_sends[batch] = (square, self._send_all(self._message(square, None)))
+
+    def total(self, batch: int) -> torch.Tensor:
+        """Asynchronous schedule: ``batch``'s global norm, in its local norm's dtype, once every
+        stage's value is there (``send`` of this stage first)."""
+        square, sends = self._batch_sends.pop(batch)
+        squares, arrivals = {self.stage: square}, []
+        for peer, buffer, work in self._batches.pop(batch):
+            work.wait()
+            squares[peer] = buffer[0].to(square.dtype)
+            arrivals.append(buffer[1])
+        for work in sends:
+            work.wait()
+        return self._sum(squares, arrivals)
 
     def global_norm(
         self, local_norm: torch.Tensor, row: torch.Tensor | None = None
@@ -84,17 +148,7 @@ class NormExchange:
         if width != self._row_width:
             raise ValueError(f"a metrics row of {width} values; {self._row_width} were posted")
         square = local_norm.detach() ** 2
-        if self.link is not None:
-            clock = self.link.stamp(self.device).reshape(1)
-        else:
-            clock = torch.zeros(1, dtype=torch.float64, device=self.device)
-        parts = [square.to(torch.float64).reshape(1), clock]
-        message = torch.cat(parts if row is None else [*parts, row])
-        sends = [
-            dist.isend(message, group=self._group(self.stage, peer), group_dst=peer)
-            for peer in range(len(self.ranks))
-            if peer != self.stage
-        ]
+        sends = self._send_all(self._message(square, row))
         squares = {self.stage: square}
         rows = {self.stage: row}
         arrivals = []
@@ -106,11 +160,6 @@ class NormExchange:
         self._posted.clear()
         for work in sends:
             work.wait()
-        if self.link is not None and arrivals:
-            self.link.exchange(float(torch.stack(arrivals).max()))
         if row is not None:
             self.rows = torch.stack([rows[stage] for stage in range(len(self.ranks))])
-        total = squares[0]
-        for stage in range(1, len(self.ranks)):
-            total = total + squares[stage]
-        return total**0.5
+        return self._sum(squares, arrivals)

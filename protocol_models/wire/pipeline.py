@@ -4,32 +4,41 @@
 ``pipeline_llm`` contract -- returns ``(schedule, model_parts, has_first_stage,
 has_last_stage)`` -- but splits the model with ``stage_layer_ranges`` (the same
 split the model used to decide which blocks are constrained) and builds our stage subclass.
-Only single-stage-per-rank schedules (GPipe, 1F1B) are supported; the config layer refuses others.
+Only single-stage-per-rank schedules (GPipe, 1F1B, and the plugin's asynchronous ``Async1F1B``:
+``wire.async_schedule``) are supported; the config layer refuses others.
 
 ``parallelize_protocol`` is llama3's parallelize, then (lossy modes, quantized subspace
 coordinates) the in-graph codec at every stage boundary inside the module it got: all of them in
 a single-process run with ``protocol.stages = S``, none in a pipeline stage's chunk (its
-boundaries are on the wire).
+boundaries are on the wire). A stage of the asynchronous schedule is not wrapped by FSDP (llama3's
+parallelize always wraps, for its mixed-precision policy, even on one rank): its forwards swap
+in weight versions, which FSDP's own parameter management would override, so it only compiles
+its blocks (``[compile]``) and runs its forwards under autocast at
+``training.mixed_precision_param`` (``WirePipelineStage.compute_dtype``).
 """
 
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.pipelining.microbatch import sum_reducer
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.models.llama3 import parallelize_llama
 
 from protocol_models import DEVICE_TYPE
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.tools.cpu_shim import gloo_fsdp_reductions
 from protocol_models.wire import Wire
+from protocol_models.wire.async_schedule import ASYNC_SCHEDULE, ScheduleAsync1F1B
 from protocol_models.wire.codecs import install_in_graph
 from protocol_models.wire.stage import WirePipelineStage
 
-SCHEDULES = ("GPipe", "1F1B")
+SCHEDULES = ("GPipe", "1F1B", ASYNC_SCHEDULE)
 
 
 def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
@@ -94,12 +103,18 @@ def pipeline_protocol(
         group=pp_mesh.get_group("pp"),
         wire=wire,
     )
+    stage.compute_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
 
     def scalar_loss(*args, **kwargs) -> torch.Tensor:
         loss, _ = loss_fn(*args, **kwargs)
         return loss
 
-    schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)(
+    name = parallelism.pipeline_parallel_schedule
+    if name == ASYNC_SCHEDULE:
+        schedule_class = partial(ScheduleAsync1F1B, hop=wire.async_hop)
+    else:
+        schedule_class = get_schedule_class(name)
+    schedule = schedule_class(
         stage,
         n_microbatches=training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
         loss_fn=scalar_loss,
@@ -115,6 +130,12 @@ def parallelize_protocol(model: nn.Module, *, wire: Wire, n_stages: int, microba
                          **parallelize_kwargs) -> nn.Module:  # fmt: skip
     """llama3's parallelize, then ``wire.codec`` in-graph at the ``n_stages`` layout's
     boundaries inside ``model``, ``microbatch`` sequences at a time (module docstring)."""
+    dims, parallelism = parallelize_kwargs["parallel_dims"], parallelize_kwargs["parallelism"]
+    if dims.pp_enabled and parallelism.pipeline_parallel_schedule == ASYNC_SCHEDULE:
+        compile_config = parallelize_kwargs["compile_config"]
+        if compile_config.enable and "model" in compile_config.components:
+            apply_compile(model, compile_config=compile_config, parallel_dims=dims)
+        return model
     model = parallelize_llama(model, **parallelize_kwargs)
     if DEVICE_TYPE == "cpu":
         gloo_fsdp_reductions(model)

@@ -32,11 +32,20 @@ peer would wait forever). ``p2p_per_direction`` therefore turns on torch's per-d
 communicators (one for activations, one for gradients) whenever receives are pre-posted on NCCL;
 on each of them both sides issue their operations in microbatch order, under GPipe and 1F1B.
 gloo matches each send to its receive by peer and tag, with no shared queue, and needs neither.
+
+Asynchronous mode (``enable_async``, for ``wire.async_schedule``): the schedule posts each
+training call's receives itself (``post_batch_receives``), a message may be expected for the same
+microbatch id of two batches at once (kept in order: both sides send and post in global
+microbatch order), every message lands in the wire's own buffer (the stage's receive buffer of
+that id may still be saved for the previous batch's backward) and is unpacked when consumed, and
+each forward runs with the weight version the schedule names (``forward_version``,
+``weight_versions``).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,6 +59,7 @@ from protocol_models.wire.codecs import Codec, Payload
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.message import MessageLayout
 from protocol_models.wire.meter import WireMeter
+from protocol_models.wire.weight_versions import WeightVersions
 
 if TYPE_CHECKING:
     from protocol_models.wire import Wire
@@ -84,7 +94,8 @@ class WirePipelineStage(PipelineStage):
 
     Codec state, per microbatch (chunk id): the forward payload this stage sent (``_sent``) and
     the one it received (``_received``) -- the backward of TopK (straight-through) and SVD needs
-    them on both sides. Expected messages: ``_inbound[(direction, chunk)]``.
+    them on both sides. Expected messages: ``_inbound[(direction, chunk)]``, in the order they
+    arrive (two batches' at most, in asynchronous mode).
     """
 
     def __init__(self, *args, wire: Wire, **kwargs):
@@ -97,10 +108,35 @@ class WirePipelineStage(PipelineStage):
         self.prepost = wire.prepost
         self._sent: dict[int, Payload] = {}
         self._received: dict[int, Payload] = {}
-        self._inbound: dict[tuple[str, int], Inbound] = {}
+        self._inbound: dict[tuple[str, int], deque[Inbound]] = {}
         self._forward_posted = False
+        self.asynchronous = False
+        self.versions: WeightVersions | None = None
+        """Asynchronous mode: the stage's two weight versions."""
+        self.forward_version: int | None = None
+        """Asynchronous mode: the version the next forwards use (None: the module's own
+        parameters, e.g. evaluation)."""
+        self.compute_dtype = torch.float32
+        """Asynchronous mode: the forwards' autocast dtype (float32: no autocast); the stage
+        module is not FSDP-wrapped then (``wire.pipeline``)."""
         self._described: set[str] = set()
         wire.stages.append(self)
+
+    def enable_async(self) -> None:
+        """Asynchronous mode (module docstring); needs pre-posted receives."""
+        if not self.prepost:
+            raise ValueError("the asynchronous schedule needs transport.prepost_receives = true")
+        self.asynchronous = True
+        self.versions = WeightVersions(self.submod)
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        if not self.asynchronous:
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+        low = self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=low):
+            if self.forward_version is None:
+                return self.submod(*args, **kwargs)
+            return self.versions.forward(self.forward_version, *args, **kwargs)
 
     # -- sends ---------------------------------------------------------------------------------
 
@@ -141,7 +177,7 @@ class WirePipelineStage(PipelineStage):
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         if self.prepost:
-            if fwd_chunk_id == 0:  # every schedule's first receive request of a step
+            if fwd_chunk_id == 0 and not self.asynchronous:  # a schedule's first of a step
                 self._post_step()
             return []
         return self._recv_ops("fwd", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
@@ -159,9 +195,18 @@ class WirePipelineStage(PipelineStage):
         gradient-norm exchange) ahead. No-op unless receives are pre-posted."""
         if not self.prepost:
             return
-        self._check_consumed()
+        if not self.asynchronous:
+            self._check_consumed()
         self._post("fwd")
         self._forward_posted = True
+
+    def post_batch_receives(self) -> None:
+        """Asynchronous mode: post the receives of the schedule call about to run."""
+        self._post_step()
+
+    def check_drained(self) -> None:
+        """Asynchronous mode: the pipeline has flushed, so every expected message was consumed."""
+        self._check_consumed()
 
     def _post_step(self) -> None:
         """Post every receive of the step (forward, and backward when it has one), in
@@ -170,7 +215,8 @@ class WirePipelineStage(PipelineStage):
         if self._forward_posted:
             self._forward_posted = False
         else:
-            self._check_consumed()
+            if not self.asynchronous:
+                self._check_consumed()
             self._post("fwd")
         if self.has_backward:
             self._post("bwd")
@@ -187,7 +233,7 @@ class WirePipelineStage(PipelineStage):
         for chunk in sorted(chunks):
             for op in self._recv_ops(direction, chunk, build(chunk)):
                 work = op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
-                self._inbound[(direction, chunk)].work = work
+                self._inbound[(direction, chunk)][-1].work = work
 
     def _recv_ops(self, direction: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         """The one receive op of this microbatch's message in place of torch's, and the
@@ -201,12 +247,11 @@ class WirePipelineStage(PipelineStage):
         else:
             parts = self.codec.spec(target.shape, target.dtype, direction)
         layout = self._layout(parts)
-        direct = layout.direct and self.codec is None
+        direct = layout.direct and self.codec is None and not self.asynchronous
         buffer = target if direct else layout.empty(target.device)
         boundary = self.stage_index - 1 if direction == "fwd" else self.stage_index
-        self._inbound[(direction, chunk)] = Inbound(
-            layout, buffer, target, boundary, posted_at=time.time()
-        )
+        inbound = Inbound(layout, buffer, target, boundary, posted_at=time.time())
+        self._inbound.setdefault((direction, chunk), deque()).append(inbound)
         return [dist.P2POp(dist.irecv, _wire_view(buffer), op.peer, op.group)]
 
     def _layout(self, parts) -> MessageLayout:
@@ -230,9 +275,12 @@ class WirePipelineStage(PipelineStage):
         """Wait for this microbatch's message (pre-posted), let the link model deliver it
         (training only: evaluation runs with the link off), and unpack or decode it into the
         stage's receive buffer. No-op when nothing arrives this way."""
-        inbound = self._inbound.pop((direction, chunk), None)
-        if inbound is None:
+        queue = self._inbound.get((direction, chunk))
+        if not queue:
             return
+        inbound = queue.popleft()
+        if not queue:
+            del self._inbound[(direction, chunk)]
         if inbound.work is None:  # the schedule posted and waited it just now
             blocked = time.time() - inbound.posted_at
         else:
@@ -245,6 +293,8 @@ class WirePipelineStage(PipelineStage):
             nbytes = inbound.layout.payload_bytes
             self.link.deliver(direction, inbound.boundary, nbytes, stamp, inbound.posted_at)
         target = inbound.target
+        if direction == "fwd" and self.asynchronous:  # its last batch's input gradient was sent
+            target.grad = None
         with torch.no_grad():
             if self.codec is None:
                 if parts[0] is not target:

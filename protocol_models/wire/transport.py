@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from protocol_models.tools.ranges import Range, Ranges
+from protocol_models.tools.ranges import AT_LEAST_1, Range, Ranges
 
 SYSCTL_ROOT = Path("/proc/sys")
 
@@ -45,8 +45,15 @@ class TransportSettings:
     bandwidth-delay product and prints the ``sysctl`` line that fixes them."""
     link_latency_ms: float = 0.0
     """That link's one-way latency in ms."""
+    async_hop_depth: int = 1
+    """Under ``[parallelism] pipeline_parallel_schedule = "Async1F1B"``: how many microbatches
+    each stage's backwards trail the next stage's (``wire.async_schedule``: stage ``s`` trails its
+    own forwards by ``(S - 1 - s)`` times this). No stage waits for a gradient when it is at least
+    ``ceil((2 (L + x) + f + b) / T)``; ``python -m protocol_models.plan`` prints that value for
+    the config's link. The first stage's depth must stay below the microbatches per step."""
 
     RANGES: ClassVar[Ranges] = {
+        "async_hop_depth": AT_LEAST_1,
         "link_mbps": Range(low=0, note="0 = not stated"),
         "link_latency_ms": Range(low=0, note="0 = not stated"),
     }

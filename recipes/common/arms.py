@@ -33,8 +33,8 @@ OPTIMIZER = "muon"
 FRONTIER = REPO / "results" / "frontier" / "results.json"
 """The frontier study's runs: the same workload, so runs it measured are not trained again."""
 QUICK_TOML = REPO / "tests" / "tiny.toml"
-QUICK = ["--protocol.stages", "2", "--training.steps", "12", "--validator.enable",
-         "--validator.freq", "4", "--validator.steps", "2"]  # fmt: skip
+QUICK = ["--protocol.stages", "2", "--training.steps", "6", "--validator.enable",
+         "--validator.freq", "3", "--validator.steps", "2"]  # fmt: skip
 
 
 def arm(name: str, ratio: str, mode: str, extra: list[str], seeds: tuple[int, ...] = (0,)):
