@@ -13,7 +13,9 @@ pipelined run. Arms, two seeds each (``debug.seed`` 0 and 1):
 
 * Muon (Muon on the block matrices, AdamW elsewhere), synchronous and asynchronous;
 * AdamW, synchronous, asynchronous, and asynchronous with the DC-ASGD delay compensation
-  (``optimizer.delay_compensation = 100``, not tuned).
+  (``optimizer.delay_compensation = 100``, not tuned);
+* both asynchronous with weight prediction (``optimizer.weight_prediction = 1``: a batch runs on
+  the weights extrapolated by the last update).
 
 Each finished run's summary goes into ``results/async/results.json`` at once, so the study
 resumes from it. Run wall times are as measured, at ``PM_PARALLEL_RUNS`` runs at a time.
@@ -41,12 +43,15 @@ from recipes.common import (
 OUT = REPO / "results" / "async"
 ASYNC = ["--parallelism.pipeline_parallel_schedule", "Async1F1B"]
 DC = ["--optimizer.delay_compensation", "100"]
+WP = ["--optimizer.weight_prediction", "1"]
 ARMS = {  # name -> (baseline arm or None, overrides); AdamW first: the optimizer said to suffer
     "adamw sync": (None, ["--optimizer.name", "adamw"]),
     "adamw async": ("adamw sync", ["--optimizer.name", "adamw", *ASYNC]),
     "muon sync": (None, ["--optimizer.name", "muon"]),
     "muon async": ("muon sync", ["--optimizer.name", "muon", *ASYNC]),
     "adamw async + DC": ("adamw sync", ["--optimizer.name", "adamw", *ASYNC, *DC]),
+    "muon async + WP": ("muon sync", ["--optimizer.name", "muon", *ASYNC, *WP]),
+    "adamw async + WP": ("adamw sync", ["--optimizer.name", "adamw", *ASYNC, *WP]),
 }
 SEEDS = (0, 1)
 
@@ -110,7 +115,9 @@ def render(results: dict) -> None:
         "",
         "Gap: of the two seeds' mean final validation loss to the synchronous arm with the same "
         "optimizer; per seed: seed against the same seed. `+ DC`: "
-        "`optimizer.delay_compensation = 100` (DC-ASGD with AdamW's second moment, untuned).",
+        "`optimizer.delay_compensation = 100` (DC-ASGD with AdamW's second moment, untuned). "
+        "`+ WP`: `optimizer.weight_prediction = 1` (each batch on the weights extrapolated by "
+        "the last update).",
     ]
     (OUT / "table.md").write_text("\n".join(lines) + "\n")
     plot(results["runs"])

@@ -4,6 +4,7 @@ and under the link simulator, on 2 and 3 nodes.
     python recipes/real_link.py            # as root; full run: ~60 min on a 2-core CPU
     python recipes/real_link.py --quick    # exercises the whole harness in a few minutes
     python recipes/real_link.py --settings 80x50 --nodes 2 3   # one link setting, both sizes
+    python recipes/real_link.py --settings 80x50 --arms subspace-async   # one arm
     python recipes/real_link.py --sim-only # re-measure the simulator, keep the real runs
     python recipes/real_link.py --probe-only [--stock-buffers]   # the 2-node probes again
         # (--stock-buffers: at a stock host's 212,992 B socket buffer maxima, plus one dense
@@ -11,7 +12,9 @@ and under the link simulator, on 2 and 3 nodes.
 
 The workload is ``configs/debug_cpu.toml`` (d=256, 8 layers, GPipe, 4 microbatches of 2 x 256
 tokens, every step logged, validation off) on ``nodes`` pipeline stages (2, or 3 in a chain),
-once per mode (``dense`` and ``subspace`` k=8), at each link setting (bandwidth, one-way delay):
+once per arm (``ARMS``: ``dense``, ``subspace`` k=8, and ``subspace-async``: k=8 under
+``Async1F1B``, 8 microbatches of 1 x 256 tokens, hop depth 2, every 5th step logged), at each
+link setting (bandwidth, one-way delay):
 
 * **link off**: ``nodes`` local processes, no link (the throughput a link should keep);
 * **real**: ``nodes`` ``torchrun`` nodes (one process each), one per network namespace of
@@ -74,8 +77,23 @@ from recipes.common.tun_relay import (
 TOML = REPO / "configs" / "debug_cpu.toml"
 SETTINGS = [(10.0, 25.0), (80.0, 50.0)]  # (Mbit/s, one-way ms)
 NODES = [2, 3]
-MODES = ["dense", "subspace"]
 WINDOW = 5  # steps per steady-state window
+ARMS = {
+    "dense": ["--protocol.mode", "dense"],
+    "subspace": ["--protocol.mode", "subspace"],
+    "subspace-async": ["--protocol.mode", "subspace",
+                       "--parallelism.pipeline_parallel_schedule", "Async1F1B",
+                       "--parallelism.pipeline_parallel_microbatch_size", "1",
+                       "--transport.async_hop_depth", "2", "--metrics.log_freq", str(WINDOW)],
+}  # fmt: skip
+"""What each row runs, beside the shared overrides. The ``Async1F1B`` arm runs 8 microbatches of
+1 x 256 tokens at hop depth 2 (``wire.async_schedule.hop_depth`` at 50 ms: the round trip
+``2 L`` is below one microbatch's compute, so depth 1 would leave each microbatch waiting ``L``,
+and 3 stages at depth 2 need 4 + 1 microbatches or more); it logs every ``WINDOW``-th step, as a
+user would (its log step gathers the stages' rows, a round trip that also stops the pipeline
+running ahead; the synchronous arms carry them in the gradient-norm exchange), so each of its
+records is one window's mean step time; it runs ``ASYNC_STEPS``."""
+ASYNC_STEPS = 1 + 8 * WINDOW
 STOCK_BUFFER_BYTES = 212_992
 """``net.core.{w,r}mem_max`` of a stock Linux host."""
 STOCK_BUFFER_KEYS = ("net.core.wmem_max", "net.core.rmem_max")
@@ -93,16 +111,25 @@ def run_key(mbps: float, delay_ms: float, nodes: int, mode: str) -> str:
     return f"{setting_key(mbps, delay_ms)}/{nodes}n/{mode}"
 
 
-def run_overrides(mode: str, nodes: int, steps: int, quick: bool) -> list[str]:
-    """The overrides every run of ``mode`` on ``nodes`` stages shares (off, real, simulated)."""
+def run_overrides(arm: str, nodes: int, steps: int, quick: bool) -> list[str]:
+    """The overrides every run of ``arm`` on ``nodes`` stages shares (off, real, simulated)."""
     stages = ["--parallelism.pipeline_parallel_degree", str(nodes)]
-    return [*(QUICK if quick else []), "--protocol.mode", mode, *stages, *timing_overrides(steps)]
+    if arm.endswith("-async") and not quick:
+        steps = ASYNC_STEPS
+    return [*(QUICK if quick else []), *stages, *timing_overrides(steps), *ARMS[arm]]
 
 
 def summarize(records: list[dict]) -> dict:
     """Steady step time (s), tokens/s and whether the windows agreed, from a run's records,
-    with its per-step times and losses, and the medians of the per-step link counters."""
-    step_s, steady = steady_step_time(records, window=WINDOW)
+    with its per-step times and losses, and the medians of the per-step link counters. A run
+    that logged every ``WINDOW``-th step has one record per window (after the first two: step
+    1, and the first window's record, which TorchTitan divides by ``WINDOW`` though it spans
+    one step fewer)."""
+    logged_every = records[-1]["step"] - records[-2]["step"]
+    if logged_every == WINDOW:
+        step_s, steady = steady_step_time(records, window=1, skip=2)
+    else:
+        step_s, steady = steady_step_time(records, window=WINDOW)
     tokens_per_step = records[-1]["n_tokens_seen"] / records[-1]["step"]
     steady_records = records[-3 * WINDOW :]
     counters = {
@@ -120,24 +147,24 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def link_off(folder: Path, mode: str, nodes: int, steps: int, quick: bool) -> dict:
+def link_off(folder: Path, arm: str, nodes: int, steps: int, quick: bool) -> dict:
     """One run with no link: ``nodes`` local processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    overrides = run_overrides(mode, nodes, steps, quick)
+    overrides = run_overrides(arm, nodes, steps, quick)
     return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
 
 
-def simulated(folder: Path, mode: str, nodes: int, shape: Shape, steps: int, quick: bool) -> dict:
+def simulated(folder: Path, arm: str, nodes: int, shape: Shape, steps: int, quick: bool) -> dict:
     """One run with the link simulator: ``nodes`` local processes."""
     wan = ["--wan.bandwidth_mbps", str(shape.mbps), "--wan.latency_ms", str(shape.delay_ms)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    overrides = [*run_overrides(mode, nodes, steps, quick), *wan]
+    overrides = [*run_overrides(arm, nodes, steps, quick), *wan]
     return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
 
 
-def real(folder: Path, mode: str, nodes: int, relay: Relay, steps: int, quick: bool) -> dict:
+def real(folder: Path, arm: str, nodes: int, relay: Relay, steps: int, quick: bool) -> dict:
     """One run of the study over the relay (``real_run``), summarized."""
-    over = run_overrides(mode, nodes, steps, quick)
+    over = run_overrides(arm, nodes, steps, quick)
     records, dropped = real_run(folder, over, nodes, relay, toml=TOML)
     return {**summarize(records), "dropped": dropped}
 
@@ -262,6 +289,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=every,
                         help="link settings MBPSxMS (default: all)")  # fmt: skip
     parser.add_argument("--nodes", nargs="+", type=int, default=NODES, choices=NODES)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                        help="what the rows run (default: all)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2, help="link-off/real pairs per row")
     parser.add_argument("--probe-only", action="store_true", help="re-measure the probes only")
     stock = "with --probe-only: probes and a dense run at stock buffers"
@@ -299,7 +328,7 @@ def measure(args: argparse.Namespace, steps: int) -> dict:
     settings = [tuple(float(v) for v in s.split("x")) for s in args.settings]
     for (mbps, delay_ms), nodes in itertools.product(settings, args.nodes):
         shape = Shape(mbps, delay_ms)
-        keys = [run_key(mbps, delay_ms, nodes, mode) for mode in MODES]
+        keys = [run_key(mbps, delay_ms, nodes, arm) for arm in args.arms]
         todo = [k for k in keys if len(results["runs"].get(k, {}).get("real", [])) < args.repeats]
         if todo and not args.sim_only:
             with link_namespaces(shape, nodes) as relay:
@@ -308,19 +337,19 @@ def measure(args: argparse.Namespace, steps: int) -> dict:
                 if nodes == 2:
                     results["probes"][setting_key(mbps, delay_ms)] = probe(shape)
                 save()
-                for key, mode in zip(keys, MODES, strict=True):
+                for key, arm in zip(keys, args.arms, strict=True):
                     row = results["runs"].setdefault(key, {"off": [], "real": []})
                     while len(row["real"]) < args.repeats:
                         run = args.out / "runs" / key / f"r{len(row['real'])}"
-                        row["off"].append(link_off(run / "off", mode, nodes, steps, args.quick))
-                        row["real"].append(real(run / "real", mode, nodes, relay, steps,
+                        row["off"].append(link_off(run / "off", arm, nodes, steps, args.quick))
+                        row["real"].append(real(run / "real", arm, nodes, relay, steps,
                                                 args.quick))  # fmt: skip
                         results["commits"][key] = current_commit()
                         save()
-        for key, mode in zip(keys, MODES, strict=True):
+        for key, arm in zip(keys, args.arms, strict=True):
             if key not in results["sim"]:
                 folder = args.out / "runs" / key / "sim"
-                results["sim"][key] = simulated(folder, mode, nodes, shape, steps, args.quick)
+                results["sim"][key] = simulated(folder, arm, nodes, shape, steps, args.quick)
                 results["commits"][f"sim/{key}"] = current_commit()
                 save()
     results["wall_s"] = results.get("wall_s", 0.0) + time.time() - started

@@ -17,6 +17,8 @@ from protocol_models.wire.weight_versions import WeightVersions
 ASYNC = ["--parallelism.pipeline_parallel_schedule", "Async1F1B", "--training.steps", "6"]
 FLUSH_AT_3 = ["--checkpoint.interval", "3", *VALIDATE_AT_END]  # validations (steps 1, 3, 6) and
 # checkpoints (3, 6) drain the pipeline
+PREDICT = ["--optimizer.weight_prediction", "1"]  # batch 6 runs on predicted weights (step 5 applies
+# the last update before it, and is no flush)
 
 
 def _batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,17 +26,20 @@ def _batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
 
 
-def test_delayed_rule_applies_each_gradient_one_step_late():
-    """W_{t+1} = W_t - lr g_{t-1} (g_t taken at W_t), nothing at step 1, and a flush step
-    applies g_{t-1} then g_t: checked against the rule written out by hand with plain SGD."""
+@pytest.mark.parametrize("predict", [0.0, 1.0])
+def test_delayed_rule_applies_each_gradient_one_step_late(predict):
+    """W_{t+1} = W_t - lr g_{t-1}, nothing at step 1, and a flush step applies g_{t-1} then g_t;
+    g_t is taken at W_t, or with weight prediction ``a`` at W_t + a (W_t - W_{t-1}) when the step
+    before applied an update and was no flush: checked against the rule written out by hand
+    with plain SGD."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     reference = [p.detach().clone() for p in model.parameters()]
     params = list(model.parameters())
-    delayed = DelayedUpdates(params)
+    delayed = DelayedUpdates(params, predict=predict)
     sgd = torch.optim.SGD(params, lr=0.1)
-    steps, flush_at = 5, {3, 5}
-    pending = {}
+    steps, flush_at = 6, {4, 6}
+    pending, last_change, predicted = {}, None, 0
     for t in range(1, steps + 1):
         delayed.begin(t, t in flush_at)
         x, y = _batch(t)
@@ -45,14 +50,22 @@ def test_delayed_rule_applies_each_gradient_one_step_late():
             sgd.step()
         delayed.applied()
         # the rule by hand: the gradient of batch t at the weights batch t used
-        w = [r.clone().requires_grad_() for r in reference]
+        at = reference
+        if predict and last_change is not None:
+            at = [r + predict * c for r, c in zip(reference, last_change, strict=True)]
+            predicted += 1
+        w = [r.clone().requires_grad_() for r in at]
         torch.nn.functional.mse_loss(torch.nn.functional.linear(x, *w), y).backward()
         pending[t] = [v.grad for v in w]
+        before, last_change = reference, None
         for b in [b for b in (t - 1, t) if b in pending and (b < t or t in flush_at)]:
             reference = [r - 0.1 * g for r, g in zip(reference, pending.pop(b), strict=True)]
+            if t not in flush_at:
+                last_change = [r - r0 for r, r0 in zip(reference, before, strict=True)]
         for p, r in zip(params, reference, strict=True):
-            assert torch.allclose(p, r, rtol=0, atol=1e-7), t
+            assert torch.allclose(p, r, rtol=0, atol=1e-6), t
     assert not pending, "the last (flush) step applied every gradient"
+    assert predicted == (2 if predict else 0)  # steps 3 and 4
 
 
 def _forward_then_update(versions_of: callable) -> list[torch.Tensor]:
@@ -113,10 +126,10 @@ def test_depths():
 def async_runs(tmp_path_factory, seed_checkpoint):
     """``(emulated, pipelined, folder)``: the records of 6 async steps of the tiny model from
     ``seed_checkpoint(2)`` in one process and in 2 pipeline stages, with a validation after steps
-    1, 3 and 6 and a checkpoint after steps 3 and 6 (each a flush)."""
+    1, 3 and 6 and a checkpoint after steps 3 and 6 (each a flush), weight prediction on."""
     folder = tmp_path_factory.mktemp("async")
     load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_checkpoint(2)),
-            *ASYNC, *FLUSH_AT_3]  # fmt: skip
+            *ASYNC, *FLUSH_AT_3, *PREDICT]  # fmt: skip
     emulated = torchrun(1, folder / "pp1", "--protocol.stages", "2", *load)
     pipelined = torchrun(2, folder / "pp2", *load)
     return emulated, pipelined, folder
@@ -128,6 +141,10 @@ def test_pipelined_async_equals_its_one_process_emulation(async_runs):
     none (logged norm 0) and step 5 applies step 4's gradient."""
     emulated, pipelined, folder = async_runs
     assert_same_run(emulated, pipelined, steps=list(range(1, 7)))
+    # steps 2, 4 and 5 gathered their metrics rows without waiting: their records, written a
+    # log step later, carry the pipeline's figures like the others
+    for r in pipelined:
+        assert r["wire/messages"] > 0 and "memory/peak_gib/s1" in r and "data/ids_checksum" in r
     assert [r["grad_norm"] == 0 for r in pipelined] == [False, True, False, True, False, False]
     validations = [read_jsonl(folder / run / "validation.jsonl") for run in ("pp1", "pp2")]
     assert [r["step"] for r in validations[1]] == [1, 3, 6]
@@ -143,7 +160,7 @@ def test_flush_checkpoint_resume_is_bit_exact(async_runs, tmp_path):
     shutil.copytree(folder / "pp2" / "checkpoint" / "step-3",
                     resumed_dump / "checkpoint" / "step-3")  # fmt: skip
     resumed, output = torchrun(2, resumed_dump, "--checkpoint.enable", *ASYNC, *FLUSH_AT_3,
-                               return_output=True)  # fmt: skip
+                               *PREDICT, return_output=True)  # fmt: skip
     assert "Training starts at step 4" in output
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for key in ("loss", "grad_norm"):

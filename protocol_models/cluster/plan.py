@@ -95,10 +95,11 @@ Next to it, every column predicts the ``Async1F1B`` step (``predict_async_step``
 drain in steady state, one microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` per
 stage, where ``d`` is the hop depth (the configured one under ``Async1F1B``, else the smallest
 that hides the round trip, at most what the microbatches allow) -- a depth too small for the link
-makes it slower than GPipe --, plus the log steps' all-gather and, at every flush (validation,
-checkpoint, last step), the synchronous fill and drain. Under ``Async1F1B`` a stage also holds
-its depth + 1 microbatches' activations and two fp32 weight versions with their gradients
-(``versions``).
+makes it slower than GPipe --, plus, at every flush (validation, checkpoint, last step), the
+synchronous fill and drain (a log step's metrics gather is not waited for). Under
+``Async1F1B`` a stage also holds its depth + 1 microbatches' activations and two fp32 weight
+versions with their gradients (``versions``; with ``[optimizer] weight_prediction``, one more
+fp32 copy: the last update).
 
 Proposed split: over the ``layers_per_stage`` whose every stage fits, the one with the smallest
 busiest-stage compute time per step (a stage's blocks are constrained unless it is the last;
@@ -242,6 +243,13 @@ def stage_params(config, stage: int, n_blocks: int) -> int:
     return params
 
 
+def versions_bytes(config) -> int:
+    """Bytes per parameter an ``Async1F1B`` stage holds beside its parameters and optimizer
+    state: two fp32 weight versions with their gradients, and with weight prediction the last
+    update (fp32)."""
+    return 16 + (4 if config.optimizer.weight_prediction else 0)
+
+
 def stage_cost(
     config, stage: int, n_blocks: int, params: int
 ) -> tuple[dict[str, float], float, float]:
@@ -296,7 +304,7 @@ def stage_cost(
         "activations": activations,
         "logits": logits,
         "F and U": v * d * table_bytes + 4 * d * protocol.k if subspace else 0.0,
-        **({"versions": 16 * params} if asynchronous else {}),  # two fp32 copies + gradients
+        **({"versions": versions_bytes(config) * params} if asynchronous else {}),
         "context": CUDA_CONTEXT,
     }
     matmul_weights = n_blocks * weights + boundary_weights(config, stage) + (v * d if last else 0)
@@ -487,10 +495,11 @@ def predict_async_step(
     microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` (``T`` the busiest stage's
     forward + backward, ``x`` a message's serialization, ``d`` the hop depth: the configured one
     under ``Async1F1B``, else the smallest that hides the round trip, at most the largest the
-    microbatches allow), so ``M`` periods a step; a log step's metrics all-gather (they do not ride
-    on the per-batch norm exchange), and at every flush (validation, checkpoint, last step) the
-    synchronous step's fill and drain. Seconds: ``hop_needed``, ``hop``, ``steady_s``,
-    ``collectives_s``, ``flushes_s`` (amortized per step), ``step_s``; ``tokens_per_s``."""
+    microbatches allow), so ``M`` periods a step, and at every flush (validation, checkpoint, last
+    step) the synchronous step's fill and drain. No collective is waited for between flushes (the
+    norms travel per batch, a log step's metrics gather is not waited on). Seconds:
+    ``hop_needed``, ``hop``, ``steady_s``, ``flushes_s`` (amortized per step), ``step_s``;
+    ``tokens_per_s``."""
     _, n_mb, _ = _microbatching(config)
     stages, replicas = config.layout_stages, config.replicas
     bandwidth_bps = bandwidth_mbps * 1e6 if bandwidth_mbps else math.inf
@@ -507,8 +516,6 @@ def predict_async_step(
         hop = max(1, min(needed, max_hop_depth(stages, n_mb)))
     period = max(slot, (2 * (latency + wire) + fwd + bwd) / hop, wire)
     steady = n_mb * period
-    rounds = ring_rounds("all_gather", stages) / config.metrics.log_freq if stages > 1 else 0.0
-    collectives = rounds * latency
     training, validator, ckpt = config.training, config.validator, config.checkpoint
     flush_steps = {training.steps}
     if validator.enable:
@@ -517,10 +524,10 @@ def predict_async_step(
         flush_steps |= set(range(ckpt.interval, training.steps + 1, ckpt.interval))
     drain = max(0.0, synchronous["step_s"] - synchronous["collectives_s"] - steady)
     flushes = drain * len(flush_steps) / training.steps
-    step = steady + collectives + flushes
+    step = steady + flushes
     tokens = replicas * training.local_batch_size * training.seq_len
-    return {"hop_needed": needed, "hop": hop, "steady_s": steady, "collectives_s": collectives,
-            "flushes_s": flushes, "step_s": step, "tokens_per_s": tokens / step}  # fmt: skip
+    return {"hop_needed": needed, "hop": hop, "steady_s": steady, "flushes_s": flushes,
+            "step_s": step, "tokens_per_s": tokens / step}  # fmt: skip
 
 
 def collective_rounds_per_step(config) -> float:
@@ -644,7 +651,6 @@ def render(
         ("Async1F1B: hop depth (needed for no wait)",
          lambda r: f"{r['async']['hop']} ({r['async']['hop_needed']})"),
         ("Async1F1B: steady step (M periods)", lambda r: f"{r['async']['steady_s']:.2f} s"),
-        ("+ log-step all-gather", lambda r: f"{r['async']['collectives_s']:.2f} s"),
         ("+ flushes (fill and drain, per step)", lambda r: f"{r['async']['flushes_s']:.2f} s"),
         ("= Async1F1B step", lambda r: f"{r['async']['step_s']:.2f} s"),
         (f"Async1F1B tokens/s ({world} GPUs)", lambda r: f"{r['async']['tokens_per_s']:,.0f}"),

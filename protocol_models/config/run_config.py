@@ -217,12 +217,13 @@ def validate(config: ProtocolTrainer.Config) -> None:
     )
     if par.pipeline_parallel_schedule == ASYNC_SCHEDULE:
         check_async(config)
-    compensation = config.optimizer.delay_compensation
-    require(
-        compensation == 0 or par.pipeline_parallel_schedule == ASYNC_SCHEDULE,
-        f"optimizer.delay_compensation = {compensation}: corrects a delayed "
-        "gradient, which only parallelism.pipeline_parallel_schedule = 'Async1F1B' has",
-    )
+    for key in ("delay_compensation", "weight_prediction"):
+        value = getattr(config.optimizer, key)
+        require(
+            value == 0 or par.pipeline_parallel_schedule == ASYNC_SCHEDULE,
+            f"optimizer.{key} = {value}: corrects a delayed gradient, which only "
+            "parallelism.pipeline_parallel_schedule = 'Async1F1B' has",
+        )
     require(
         not config.validator.enable or config.dataloader.has_validation,
         "validator.enable = true, but [dataloader] names no validation data: set "

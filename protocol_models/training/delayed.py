@@ -12,6 +12,13 @@ step ``t`` (``flush``: a checkpoint, a validation, the last step) drains the pip
 gradient is pending and the weights are exactly what a checkpoint holds: a run resumed there goes
 on as the uninterrupted one does.
 
+Weight prediction (``[optimizer] weight_prediction = a > 0``; SpecTrain, Chen et al. 2018): while
+``g_{t-1}`` is pending, batch ``t``'s forwards and backwards run on ``W_t + a (W_t - W_{t-1})``,
+the weights its gradient will be applied to extrapolated by the last update, instead of ``W_t``
+(the update applied is still ``update(g_{t-1})`` on ``W_t``). ``W_t - W_{t-1}`` is the update of
+the step before, when that step was no flush and applied one (else nothing is predicted), so a
+run resumed at a flush's checkpoint predicts as the uninterrupted one does.
+
 ``DelayedUpdates`` runs the rule for the trainer, in one of two places the gradient lives:
 
 * a pipeline stage under ``Async1F1B`` (``versions``): batch ``b``'s gradient accumulates in
@@ -52,11 +59,17 @@ class DelayedUpdates:
     ``module.parameters()`` order when ``versions`` is given), module docstring."""
 
     def __init__(self, params: list[nn.Parameter], *, versions: WeightVersions | None = None,
-                 exchange: NormExchange | None = None, keep_weights: bool = False):  # fmt: skip
+                 exchange: NormExchange | None = None, keep_weights: bool = False,
+                 predict: float = 0.0):  # fmt: skip
         if (versions is None) != (exchange is None):
             raise ValueError("a pipeline stage's delayed updates need versions and an exchange")
         self.params, self.versions, self.exchange = params, versions, exchange
-        self.keep_weights = keep_weights
+        self.keep_weights, self.predict = keep_weights, predict
+        self._last_update: list[torch.Tensor] | None = None
+        """``W_t - W_{t-1}`` (parameter order) while the weights are to be predicted (``predict``):
+        the last step's update; before it is applied, ``W_{t-1}``. None: nothing to predict by."""
+        self._unpredicted: list[torch.Tensor] | None = None
+        """One process: the parameters' own values while a batch runs on the predicted ones."""
         self.step = 0
         self.flush = True
         self._held: dict[int, DueUpdate] = {}
@@ -72,6 +85,11 @@ class DelayedUpdates:
         self.step, self.flush = step, flush
         if self.exchange is not None:
             self.exchange.post_batch(step)
+        elif self._last_update is not None and step - 1 in self._held:  # one process
+            self._unpredicted = [p.detach().clone() for p in self.params]
+            with torch.no_grad():
+                for p, change in zip(self.params, self._last_update, strict=True):
+                    p.add_(change, alpha=self.predict)
 
     def gradients_ready(self, batch: int) -> None:
         """Pipeline: this stage's gradient of ``batch`` is complete (the schedule's callback):
@@ -92,8 +110,16 @@ class DelayedUpdates:
             self._held[step] = DueUpdate(step, grads, norm, weights)
             for p in self.params:
                 p.grad = None
+            if self._unpredicted is not None:  # back from the predicted weights
+                with torch.no_grad():
+                    for p, own in zip(self.params, self._unpredicted, strict=True):
+                        p.copy_(own)
+                self._unpredicted = None
         batches = [b for b in (step - 1, step) if b == step - 1 or self.flush]
         self.due = [u for u in map(self._take, batches) if u is not None]
+        self._last_update = None
+        if self.predict and self.due and not self.flush:  # W_t, to take the update's size
+            self._last_update = [p.detach().clone() for p in self.params]
         for update in self.due:  # scales the update's gradient tensors in place
             self.load(update)
             torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, update.norm, foreach)
@@ -119,11 +145,20 @@ class DelayedUpdates:
             p.grad = g
 
     def applied(self) -> None:
-        """The due updates were applied (or skipped): drop the parameters' gradients and give each
-        applied batch's weight version the new weights."""
+        """The due updates were applied (or skipped): drop the parameters' gradients, take the
+        update's size for the weight prediction, and give the weight version of the next batch
+        the new weights (predicted), or at a flush each applied batch's version (the next
+        schedule call resets both)."""
         for p in self.params:
             p.grad = None
+        if self._last_update is not None:  # W_{t+1} - W_t, in the buffer that held W_t
+            with torch.no_grad():
+                for p, change in zip(self.params, self._last_update, strict=True):
+                    change.neg_().add_(p)
         if self.versions is not None:
-            for update in self.due:
-                self.versions.refresh(update.batch % 2)
+            if self.flush:
+                for update in self.due:
+                    self.versions.refresh(update.batch % 2)
+            else:
+                self.versions.refresh((self.step + 1) % 2, self._last_update, self.predict)
         self.due = []

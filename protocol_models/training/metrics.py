@@ -179,6 +179,12 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         """``[stages, width]``: every stage's ``stage_row`` of this log step, handed over by the
         trainer when they travelled with the gradient-norm exchange (the log then needs no
         collective); None: ``log`` gathers them."""
+        self.gather_later = False
+        """Set by the trainer each step: a log step gathers the rows without waiting for them
+        and its record is written at the next log step or ``finish_record`` (``Async1F1B``
+        between flushes: a blocking gather would stop the pipeline running ahead)."""
+        self._unfinished: tuple[int, torch.Tensor, dist.Work, dict[str, Any]] | None = None
+        """``(step, rows, gather, record)`` of a log step whose rows are still on their way."""
 
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, **kwargs):
         base = super()._build_metric_logger(
@@ -226,17 +232,47 @@ class ProtocolMetricsProcessor(MetricsProcessor):
                 sink.log_text(samples, step)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        agreed = self._agree_over_pipeline(global_avg_loss, global_max_loss, step)
-        loss, max_loss = agreed.pop("loss"), agreed.pop("max_loss")
+        self.finish_record()
+        later = self.gather_later and self._pp_group() is not None and self.exchanged_rows is None
+        if later:
+            rows, gather = self._gather_rows(global_avg_loss, global_max_loss, wait=False)
+        else:
+            agreed = self._agree_over_pipeline(global_avg_loss, global_max_loss, step)
         metrics = dict(extra_metrics or {})
-        metrics.update(agreed)
         subspace = getattr(self.optimizers, "subspace", None)
         if subspace is not None:  # subspace updates on: angle of the latest, count, U's health
             metrics.update(subspace.metrics())
         sync = getattr(self.optimizers, "boundary_sync", None)
         if sync is not None:  # mapl: the learned projections' and the codebooks' health
             metrics.update(sync.metrics())
-        super().log(step, loss, max_loss, grad_norm, extra_metrics=metrics)
+        if later:
+            record = _Record()
+            self.logger, sinks = record, self.logger
+            try:  # TorchTitan's figures of this step, taken now (its console line included)
+                super().log(step, global_avg_loss, global_max_loss, grad_norm, metrics)
+            finally:
+                self.logger = sinks
+            self._unfinished = (step, rows, gather, record.metrics)
+            return
+        loss, max_loss = agreed.pop("loss"), agreed.pop("max_loss")
+        super().log(step, loss, max_loss, grad_norm, extra_metrics={**metrics, **agreed})
+
+    def finish_record(self) -> None:
+        """Write the record of a log step whose rows were gathered without waiting, once they
+        are here (``gather_later``): the loss and the pipeline's figures from them."""
+        if self._unfinished is None:
+            return
+        step, rows, gather, metrics = self._unfinished
+        self._unfinished = None
+        gather.wait()
+        agreed = self._row_layout().agree(rows, step, has_link=self.wire.link is not None)
+        metrics["loss_metrics/global_avg_loss"] = agreed.pop("loss")
+        metrics["loss_metrics/global_max_loss"] = agreed.pop("max_loss")
+        self.logger.log({**metrics, **agreed}, step)
+
+    def close(self) -> None:
+        self.finish_record()
+        super().close()
 
     def log_validation(self, loss, step, extra_metrics=None):
         (loss,) = self._from_last_stage([loss])
@@ -272,16 +308,23 @@ class ProtocolMetricsProcessor(MetricsProcessor):
             if checksum is not None:
                 metrics["data/ids_checksum"] = int(checksum) % 2**24
             return metrics
-        stages = dist.get_world_size(group)
         if rows is None:
-            self.wire.meter.collective("metrics", ring_rounds("all_gather", stages))  # in the row
-            mine = self.stage_row(loss, max_loss)
-            rows = torch.empty(stages * mine.numel(), dtype=mine.dtype, device=mine.device)
-            dist.all_gather_single(rows, mine, group=group)
-            if self.wire.link is not None:
-                self.wire.link.collective(ring_rounds("all_gather", stages))
-            rows = rows.view(stages, mine.numel())
+            rows, _ = self._gather_rows(loss, max_loss, wait=True)
         return self._row_layout().agree(rows, step, has_link=self.wire.link is not None)
+
+    def _gather_rows(self, loss, max_loss, *, wait: bool) -> tuple[torch.Tensor, dist.Work | None]:
+        """Every stage's ``stage_row`` (``[stages, width]``) in **one** all-gather over the
+        pipeline group, counted in the row; ``wait=False``: started, with its work to wait on
+        (the link simulator charges no collective the stage does not wait for)."""
+        group = self._pp_group()
+        stages = dist.get_world_size(group)
+        self.wire.meter.collective("metrics", ring_rounds("all_gather", stages))
+        mine = self.stage_row(loss, max_loss)
+        rows = torch.empty(stages * mine.numel(), dtype=mine.dtype, device=mine.device)
+        gather = dist.all_gather_single(rows, mine, group=group, async_op=not wait)
+        if wait and self.wire.link is not None:
+            self.wire.link.collective(ring_rounds("all_gather", stages))
+        return rows.view(stages, mine.numel()), gather
 
     def stage_row(self, loss: float | torch.Tensor, max_loss: float | torch.Tensor) -> torch.Tensor:
         """This stage's row ``[width]`` float64 on the training device, from its counters now
@@ -303,6 +346,15 @@ class ProtocolMetricsProcessor(MetricsProcessor):
         leaks = [m.pop_boundary_leak() for m in self.model_parts or []]
         leaks = [v.detach().reshape(()).to(torch.float64) for v in leaks if v is not None]
         return torch.stack(leaks).max() if leaks else None
+
+
+class _Record(BaseLogger):
+    """Holds the one record TorchTitan's ``log`` writes, for ``finish_record``."""
+
+    metrics: dict[str, Any]
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.metrics = dict(metrics)
 
 
 class _StageRow:

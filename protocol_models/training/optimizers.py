@@ -314,6 +314,8 @@ class GuardedOptimizers(OptimizersContainer):
         skip_nonfinite_steps: int = 0
         delay_compensation: float = 0.0
         """``[optimizer] delay_compensation`` (``_compensate``)."""
+        weight_prediction: float = 0.0
+        """``[optimizer] weight_prediction`` (``training.delayed``), read by the trainer."""
         name: str = "adamw"
         """The ``[optimizer] name`` (an ``OPTIMIZERS`` key) the param groups come from."""
 
@@ -436,6 +438,10 @@ class OptimizerSettings:
     """Under the asynchronous schedule (``Async1F1B``, each gradient applied one step late):
     ``lambda`` of the DC-ASGD correction of the AdamW-updated parameters' gradients
     (``GuardedOptimizers._compensate``); 0: none."""
+    weight_prediction: float = 0.0
+    """Under ``Async1F1B``: ``a`` of the weight prediction (``training.delayed``): a batch whose
+    forward runs while the previous batch's update is pending runs on the weights extrapolated by
+    ``a`` times the last update; 0: none, 1: the pending update predicted to repeat the last."""
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
@@ -448,6 +454,7 @@ class OptimizerSettings:
         "weight_decay": AT_LEAST_0,
         "skip_nonfinite_steps": AT_LEAST_0,
         "delay_compensation": AT_LEAST_0,
+        "weight_prediction": AT_LEAST_0,
         "muon_lr": POSITIVE,
         "muon_momentum": Range(low=0, high=1, high_open=True),
         "muon_weight_decay": AT_LEAST_0,
@@ -506,5 +513,6 @@ class OptimizerSettings:
             implementation=self._resolved_implementation(),
             skip_nonfinite_steps=self.skip_nonfinite_steps,
             delay_compensation=self.delay_compensation,
+            weight_prediction=self.weight_prediction,
             name=self.name,
         )

@@ -218,9 +218,11 @@ class ProtocolTrainer(Trainer):
         if self.config.parallelism.pipeline_parallel_schedule != ASYNC_SCHEDULE:
             return None
         params = [p for m in self.model_parts for p in m.parameters()]
+        predict = self.config.optimizer.weight_prediction
         if self.parallel_dims.pp_enabled:
             (stage,) = self.wire.stages
-            delayed = DelayedUpdates(params, versions=stage.versions, exchange=self.norm_exchange)
+            delayed = DelayedUpdates(params, versions=stage.versions, exchange=self.norm_exchange,
+                                     predict=predict)  # fmt: skip
             self.pp_schedule.gradients_ready = delayed.gradients_ready
             schedule = self.pp_schedule
             logger.info(
@@ -229,7 +231,7 @@ class ProtocolTrainer(Trainer):
             )
         else:
             keep = self.config.optimizer.delay_compensation > 0
-            delayed = DelayedUpdates(params, keep_weights=keep)
+            delayed = DelayedUpdates(params, keep_weights=keep, predict=predict)
             logger.info(
                 "Async1F1B emulated in one process: each step applies the previous step's gradient"
             )
@@ -382,11 +384,14 @@ class ProtocolTrainer(Trainer):
         for part in self.model_parts:
             part.start_leak_window(measure)
         self._step_losses = []
+        flush = True
         if self.delayed is not None:
             flush = self.flush_after_step()
             self.delayed.begin(self.step, flush)
             if self.parallel_dims.pp_enabled:
                 self.pp_schedule.begin(self.step, flush)
+        # Async1F1B: a log step between flushes gathers its rows without stopping the pipeline
+        self.metrics_processor.gather_later = not flush and self.parallel_dims.pp_enabled
         with exchanging_grad_norm(
             self.optimizers,
             self.norm_exchange,
@@ -397,6 +402,8 @@ class ProtocolTrainer(Trainer):
             metrics=self.metrics_processor,
         ):
             super().train_step(data_iterator)
+        if flush:  # every record written before a validation's, a checkpoint, the end
+            self.metrics_processor.finish_record()
         self._steps_run += 1
         if self._steps_run == 1:  # as TorchTitan does for its groups after this step
             train = timedelta(seconds=self.config.comm.train_timeout_seconds)

@@ -55,9 +55,13 @@ class WeightVersions:
         return [self.versions[version][name] for name, _ in self.module.named_parameters()]
 
     @torch.no_grad()
-    def refresh(self, version: int) -> None:
-        """``V[version]`` := the module's parameters (just updated), gradients dropped."""
-        for name, p in self.module.named_parameters():
+    def refresh(self, version: int, ahead: list[torch.Tensor] | None = None,
+                alpha: float = 0.0) -> None:  # fmt: skip
+        """``V[version]`` := the module's parameters (just updated), gradients dropped; with
+        ``ahead`` (``module.parameters()`` order), plus ``alpha * ahead`` (weight prediction)."""
+        for i, (name, p) in enumerate(self.module.named_parameters()):
             leaf = self.versions[version][name]
             leaf.grad = None
             leaf.copy_(p)
+            if ahead is not None:
+                leaf.add_(ahead[i], alpha=alpha)
