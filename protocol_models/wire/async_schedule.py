@@ -135,7 +135,7 @@ class ScheduleAsync1F1B(PipelineScheduleSingle):
         first_target = target_mbs[0] if target_mbs is not None else None
         self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         stage, n = self._stage, self._n_microbatches
-        stage.post_batch_receives()
+        stage.post_batch_receives(next_forward=self._has_backward and not self.flush)
         if not self._has_backward:
             stage.forward_version = None
             for j in range(n):

@@ -193,16 +193,23 @@ class WirePipelineStage(PipelineStage):
         training step surely follows: the next step's first message is then posted for before
         its sender sends it, even though this stage still has the optimizer step (and the
         gradient-norm exchange) ahead. No-op unless receives are pre-posted."""
-        if not self.prepost:
+        if not self.prepost or self._forward_posted:  # asynchronous: posted a call ahead
             return
         if not self.asynchronous:
             self._check_consumed()
         self._post("fwd")
         self._forward_posted = True
 
-    def post_batch_receives(self) -> None:
-        """Asynchronous mode: post the receives of the schedule call about to run."""
+    def post_batch_receives(self, next_forward: bool) -> None:
+        """Asynchronous mode: post the receives of the schedule call about to run and, with
+        ``next_forward`` (a training call of the next batch surely follows), the next call's
+        forward receives too. The upstream stage runs up to a step ahead, so its first message
+        of the next batch may leave before this stage's call is over; under gloo a receive
+        posted after its message was sent costs a round trip more."""
         self._post_step()
+        if next_forward:
+            self._post("fwd")
+            self._forward_posted = True
 
     def check_drained(self) -> None:
         """Asynchronous mode: the pipeline has flushed, so every expected message was consumed."""
