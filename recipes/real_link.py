@@ -13,7 +13,7 @@ and under the link simulator, on 2 and 3 nodes.
 The workload is ``configs/debug_cpu.toml`` (d=256, 8 layers, GPipe, 4 microbatches of 2 x 256
 tokens, every step logged, validation off) on ``nodes`` pipeline stages (2, or 3 in a chain),
 once per arm (``ARMS``: ``dense``, ``subspace`` k=8, and ``subspace-async``: k=8 under
-``Async1F1B``, 8 microbatches of 1 x 256 tokens, hop depth 2, every 5th step logged), at each
+``Async1F1B``, 8 microbatches of 1 x 256 tokens, hop depth 2 or 3, every 5th step logged), at each
 link setting (bandwidth, one-way delay):
 
 * **link off**: ``nodes`` local processes, no link (the throughput a link should keep);
@@ -84,15 +84,18 @@ ARMS = {
     "subspace-async": ["--protocol.mode", "subspace",
                        "--parallelism.pipeline_parallel_schedule", "Async1F1B",
                        "--parallelism.pipeline_parallel_microbatch_size", "1",
-                       "--transport.async_hop_depth", "2", "--metrics.log_freq", str(WINDOW)],
+                       "--optimizer.weight_prediction", "1", "--metrics.log_freq", str(WINDOW)],
 }  # fmt: skip
-"""What each row runs, beside the shared overrides. The ``Async1F1B`` arm runs 8 microbatches of
-1 x 256 tokens at hop depth 2 (``wire.async_schedule.hop_depth`` at 50 ms: the round trip
-``2 L`` is below one microbatch's compute, so depth 1 would leave each microbatch waiting ``L``,
-and 3 stages at depth 2 need 4 + 1 microbatches or more); it logs every ``WINDOW``-th step, as a
-user would (its log step gathers the stages' rows, a round trip that also stops the pipeline
-running ahead; the synchronous arms carry them in the gradient-norm exchange), so each of its
-records is one window's mean step time; it runs ``ASYNC_STEPS``."""
+ASYNC_HOP = {2: 2, 3: 3}
+"""The ``Async1F1B`` arm's hop depth per node count: ``wire.async_schedule.hop_depth`` at 50 ms,
+``ceil((2 L + T) / T)`` with ``T`` a microbatch's forward + backward on the busiest stage, from
+the link-off step over 8 microbatches (2 nodes: ~1.1 s, T ~ 0.14 s, depth 2; 3 nodes: ~0.7 s,
+T ~ 0.09 s, depth 3; at depth 2 the 3-node run kept 92%: the ``subspace-async-hop2`` row)."""
+"""What each row runs, beside the shared overrides. The ``Async1F1B`` arm (with weight
+prediction, as recommended) runs 8 microbatches of 1 x 256 tokens (enough for 3 stages at hop
+depth 3, ``ASYNC_HOP``); it logs every ``WINDOW``-th step, as a user would (its log step gathers
+the stages' rows without waiting for them), so each of its records is one window's mean step
+time; it runs ``ASYNC_STEPS``."""
 ASYNC_STEPS = 1 + 8 * WINDOW
 STOCK_BUFFER_BYTES = 212_992
 """``net.core.{w,r}mem_max`` of a stock Linux host."""
@@ -114,9 +117,11 @@ def run_key(mbps: float, delay_ms: float, nodes: int, mode: str) -> str:
 def run_overrides(arm: str, nodes: int, steps: int, quick: bool) -> list[str]:
     """The overrides every run of ``arm`` on ``nodes`` stages shares (off, real, simulated)."""
     stages = ["--parallelism.pipeline_parallel_degree", str(nodes)]
-    if arm.endswith("-async") and not quick:
-        steps = ASYNC_STEPS
-    return [*(QUICK if quick else []), *stages, *timing_overrides(steps), *ARMS[arm]]
+    extra = []
+    if arm.endswith("-async"):
+        steps = steps if quick else ASYNC_STEPS
+        extra = ["--transport.async_hop_depth", str(ASYNC_HOP[nodes])]
+    return [*(QUICK if quick else []), *stages, *timing_overrides(steps), *ARMS[arm], *extra]
 
 
 def summarize(records: list[dict]) -> dict:
