@@ -86,6 +86,7 @@ ARMS = {
                        "--parallelism.pipeline_parallel_microbatch_size", "1",
                        "--optimizer.weight_prediction", "1", "--metrics.log_freq", str(WINDOW)],
 }  # fmt: skip
+ARMS["subspace-async-hop2"] = [*ARMS["subspace-async"], "--transport.async_hop_depth", "2"]
 ASYNC_HOP = {2: 2, 3: 3}
 """The ``Async1F1B`` arm's hop depth per node count: ``wire.async_schedule.hop_depth`` at 50 ms,
 ``ceil((2 L + T) / T)`` with ``T`` a microbatch's forward + backward on the busiest stage, from
@@ -118,10 +119,10 @@ def run_overrides(arm: str, nodes: int, steps: int, quick: bool) -> list[str]:
     """The overrides every run of ``arm`` on ``nodes`` stages shares (off, real, simulated)."""
     stages = ["--parallelism.pipeline_parallel_degree", str(nodes)]
     extra = []
-    if arm.endswith("-async"):
+    if arm.startswith("subspace-async"):
         steps = steps if quick else ASYNC_STEPS
-        extra = ["--transport.async_hop_depth", str(ASYNC_HOP[nodes])]
-    return [*(QUICK if quick else []), *stages, *timing_overrides(steps), *ARMS[arm], *extra]
+        extra = ["--transport.async_hop_depth", str(ASYNC_HOP[nodes])]  # an arm's own wins
+    return [*(QUICK if quick else []), *stages, *timing_overrides(steps), *extra, *ARMS[arm]]
 
 
 def summarize(records: list[dict]) -> dict:
