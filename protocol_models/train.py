@@ -19,16 +19,20 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from protocol_models.cluster import fsdp_probe
 from protocol_models.cluster.fsdp_probe import FSDP_PROBE_ENV
 from protocol_models.config.run_config import load_config, split_argv
-from protocol_models.tools.errors import USER_ERROR_FILE_ENV, UserError
+from protocol_models.tools.errors import USER_ERROR_FILE_ENV, LinkFault, UserError
 from protocol_models.training import console
+from protocol_models.training.stall_watch import end_worker
 
 
 @record  # a bug's traceback goes to the error file (and is raised on)
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error (config, start-up check, non-finite guard; left in
-    ``PROTOCOL_MODELS_USER_ERROR_FILE`` when the launcher set it, so that it is not restarted)."""
+    ``PROTOCOL_MODELS_USER_ERROR_FILE`` when the launcher set it, so that it is not restarted),
+    3 a silent or broken peer (``LinkFault``: one line, restarted by ``--max-restarts``)."""
     try:
         run(*split_argv(sys.argv[1:] if argv is None else argv))
+    except LinkFault as e:  # a peer went silent or its connection broke: a restart recovers
+        end_worker(e)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         get_error_handler().record_exception(e)  # a no-op outside torchelastic

@@ -230,7 +230,8 @@ def test_node_zero_hosts_the_rendezvous_store_when_no_host_name_matches(monkeypa
     for t in threads:
         t.join(timeout=60)
     assert not errors and ranks == {0: 0, 1: 1}, errors
-    assert rendezvous_conf("is_host=0", 0) == "is_host=0,node_rank=0"  # the user's choice stands
+    assert rendezvous_conf("is_host=0", 0) == "is_host=0,node_rank=0,read_timeout=900"
+    assert rendezvous_conf("read_timeout=20", None) == "read_timeout=20"  # the user's choice stands
 
 
 VPN_NODE = {

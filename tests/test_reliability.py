@@ -3,6 +3,7 @@ checkpoints never corrupt a run; a failed run's last line is the rank that faile
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, TINY, read_jsonl, torchrun
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
@@ -30,10 +32,29 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
+def _step_logged(dump: Path, step: int, launcher: subprocess.Popen) -> bool:
+    """Wait until the run in ``dump`` has logged ``step``; False if it ended first (or 300 s
+    passed)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and launcher.poll() is None:
+        records = read_jsonl(dump / "metrics.jsonl") if (dump / "metrics.jsonl").exists() else []
+        if records and records[-1]["step"] >= step:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    """The records of a 20-step, 2-stage run with checkpoints every 5 steps and streamed data,
+    never interrupted: what every interrupted run here must equal."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    return torchrun(2, folder, "--training.steps", "20", *CKPT, *STREAMED)
+
+
+def test_killed_worker_restarts_and_resumes_exactly(tmp_path, uninterrupted):
     """Killed after step 12, the run resumes from the step-10 checkpoint with the streamed data
     at the exact next batch: every step's ids and loss equal an uninterrupted run's."""
-    reference = torchrun(2, tmp_path / "reference", "--training.steps", "20", *CKPT, *STREAMED)
 
     dump = tmp_path / "killed"
     cmd = [
@@ -47,17 +68,10 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
     killed: list[int] = []
 
     def kill_first_stage_after_step_12():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and launcher.poll() is None:
-            records = (
-                read_jsonl(dump / "metrics.jsonl") if (dump / "metrics.jsonl").exists() else []
-            )
-            if records and records[-1]["step"] >= 12:
-                workers = sorted(_children(launcher.pid))
-                os.kill(workers[0], signal.SIGKILL)
-                killed.append(workers[0])
-                return
-            time.sleep(0.05)
+        if _step_logged(dump, 12, launcher):
+            workers = sorted(_children(launcher.pid))
+            os.kill(workers[0], signal.SIGKILL)
+            killed.append(workers[0])
 
     killer = threading.Thread(target=kill_first_stage_after_step_12)
     killer.start()
@@ -68,10 +82,86 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
     assert "Training starts at step 11" in output, "did not resume from the step-10 checkpoint"
     resumed = read_jsonl(dump / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, 21))
-    checksums = [r["data/ids_checksum"] for r in reference]
+    checksums = [r["data/ids_checksum"] for r in uninterrupted]
     assert len(set(checksums)) == 20, "the checksum cannot tell the batches apart"
     assert [r["data/ids_checksum"] for r in resumed] == checksums
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted]
+
+
+def test_stalled_peer_is_detected_within_the_bound_and_the_run_resumes_exactly(
+    tmp_path, uninterrupted
+):
+    """Stage 1 frozen (SIGSTOP: its sockets stay open, as across a partition) for 2 s rides
+    through; frozen past the stall bound after step 12, stage 0 names it in one line within the
+    bound, the launcher restarts both and the run resumes from the step-10 checkpoint: every
+    step's loss equals an uninterrupted run's."""
+    steps = ["--training.steps", "20", *CKPT, *STREAMED]
+    dump = tmp_path / "stalled"
+    bound = ["--transport.stall_bound_steps", "5", "--transport.stall_bound_floor_seconds", "6"]
+    cmd = [
+        sys.executable, "-m", "protocol_models.launch", "--standalone", "--nproc_per_node", "2",
+        "--max-restarts", "1", "-m", "protocol_models.train", "--toml", str(TINY),
+        "--dump_folder", str(dump), *steps, *bound,
+    ]  # fmt: skip
+    launcher = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PROTOCOL_MODELS_DEVICE": "cpu"},
+    )  # fmt: skip
+    frozen: list[float] = []
+
+    def freeze(pid: int, seconds: float) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        with contextlib.suppress(ProcessLookupError):  # the agent may have killed it meanwhile
+            os.kill(pid, signal.SIGCONT)
+        frozen.append(seconds)
+
+    def freeze_stage_1():
+        for after_step, seconds in ((6, 2.0), (12, 10.0)):
+            if _step_logged(dump, after_step, launcher):
+                freeze(sorted(_children(launcher.pid))[1], seconds)
+
+    freezer = threading.Thread(target=freeze_stage_1)
+    freezer.start()
+    output, _ = launcher.communicate(timeout=600)
+    freezer.join()
+    assert frozen == [2.0, 10.0], "the run finished before stage 1 could be frozen twice"
+    assert launcher.returncode == 0, output[-4000:]
+    (line,) = [x for x in output.splitlines() if x.startswith("error: step ")]
+    assert "stall bound" in line and "from stage 1 (rank 1, node 0" in line, line
+    waited = float(line.split("has run ")[1].split(" s")[0])
+    bound_s = float(line.split("stall bound of ")[1].split(" s")[0])
+    assert 6 <= bound_s < 20 and waited < bound_s + 2, line
+    starts = [
+        x.split("Training starts at step ")[1]
+        for x in output.splitlines()
+        if "Training starts at step" in x
+    ]
+    assert sorted(starts) == ["1", "1", "11", "11"], f"a stall within the bound restarted: {starts}"
+    assert "Training starts at step 11" in output, "did not resume from the step-10 checkpoint"
+    resumed = read_jsonl(dump / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, 21))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted]
+
+
+def test_a_broken_connection_is_a_one_line_link_fault_and_a_bug_is_not():
+    """gloo's error for a peer that went away becomes one ``LinkFault`` line (restarted by the
+    launcher); any other ``RuntimeError`` is left alone (a bug keeps its traceback)."""
+    from protocol_models.tools.errors import LinkFault, as_link_fault
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+        "[10.203.0.2]:6836: Connection reset by peer. This is typically caused by a remote "
+        "worker hanging or bugs in the application."
+    )
+    fault = as_link_fault(gloo, "step 21: a message to or from another rank")
+    assert isinstance(fault, LinkFault)
+    assert str(fault) == (
+        "step 21: a message to or from another rank failed (Read error [10.203.0.2]:6836: "
+        "Connection reset by peer); restarting from the last complete checkpoint (needs "
+        "--max-restarts)"
+    )
+    assert as_link_fault(RuntimeError("shape mismatch: [4, 8] vs [4, 9]"), "step 1") is None
 
 
 def test_half_written_checkpoint_is_never_loaded(tmp_path):

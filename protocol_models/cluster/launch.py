@@ -20,7 +20,8 @@ Same arguments as ``torchrun``; five differences:
   with a user error leaves it in ``PROTOCOL_MODELS_USER_ERROR_FILE`` (set here, one per launch);
   before a restart the rendezvous finds it, closes the rendezvous (every node's agent then
   stops instead of restarting) and the launch ends with that line and exit code 2.
-* Restarts (``--max-restarts``) get a fresh rendezvous store per attempt (see ``main``).
+* Restarts (``--max-restarts``) get a fresh rendezvous store per attempt (see ``main``), and an
+  agent waits out a partition of up to ``STORE_READ_TIMEOUT_S`` in the rendezvous.
 * A failed job ends with one summary line rather than the launcher's own Python traceback.
 
 Workers report their own errors (one ``error:`` line for user errors, a full traceback for bugs)
@@ -60,6 +61,13 @@ from protocol_models.tools.errors import USER_ERROR_FILE_ENV
 
 RENDEZVOUS_BACKEND = "protocol-c10d"
 """The rendezvous backend ``main`` substitutes for ``c10d`` (and ``--standalone``'s c10d)."""
+STORE_READ_TIMEOUT_S = 900
+"""How long an agent's operation on the rendezvous store (on node 0) may wait (c10d's
+``read_timeout``; torch's default is 60 s). Across a partition the agents of the far side wait
+in it for the link to come back; with torch's 60 s their launcher gives up on a partition of a
+few minutes while the workers' stall bound (``training.stall_watch``) has already restarted
+them. 900 s is about as long as Linux keeps retransmitting on an open TCP connection
+(``tcp_retries2 = 15``)."""
 
 
 class ProtocolRendezvous(RendezvousHandler):
@@ -237,12 +245,15 @@ def _reason(failure: ProcessFailure) -> str:
 
 def rendezvous_conf(conf: str, node_rank: int | None) -> str:
     """``--rdzv_conf`` for ``ProtocolRendezvous``: the user's ``conf`` plus, with a node rank,
-    ``node_rank`` and -- unless ``conf`` sets it -- ``is_host`` for node 0 alone."""
+    ``node_rank`` and -- unless ``conf`` sets it -- ``is_host`` for node 0 alone; and, unless
+    ``conf`` sets it, ``read_timeout`` = ``STORE_READ_TIMEOUT_S``."""
     extra = []
     if node_rank is not None:
         extra.append(f"node_rank={node_rank}")
         if "is_host=" not in conf:
             extra.append(f"is_host={int(node_rank == 0)}")
+    if "read_timeout=" not in conf:
+        extra.append(f"read_timeout={STORE_READ_TIMEOUT_S}")
     return ",".join(filter(None, [conf, *extra]))
 
 
@@ -286,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record(torchrun_run)(args)
     except RendezvousClosedError as e:  # a user error here (its line) or on another node
-        reason = str(e) or "another node ended the run with a user error (see its output)"
-        print(f"error: {reason.removeprefix('error: ')} (not restarted: a user error would "
+        if not str(e):
+            print("error: another node closed the rendezvous (a user error, or its launcher "
+                  "gave up: see that node's output); not restarted", file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"error: {str(e).removeprefix('error: ')} (not restarted: a user error would "
               "recur)", file=sys.stderr)  # fmt: skip
         return 2
     except RendezvousError as e:  # e.g. a node missing or two nodes with one --node_rank

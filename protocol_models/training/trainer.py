@@ -47,7 +47,7 @@ from protocol_models.data.loader import TextDataLoader
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.loss import ModelLoss
 from protocol_models.model.model import ModelArch, build_model_spec
-from protocol_models.tools.errors import StartupError
+from protocol_models.tools.errors import StartupError, as_link_fault
 from protocol_models.tools.ranges import AT_LEAST_1, POSITIVE, Range, Ranges
 from protocol_models.training import run_record
 from protocol_models.training.console import Progress
@@ -58,12 +58,14 @@ from protocol_models.training.metrics import ProtocolMetricsProcessor
 from protocol_models.training.optimizers import bind_subspace
 from protocol_models.training.protocol import ProtocolSettings
 from protocol_models.training.samples import sample_at_validation
+from protocol_models.training.stall_watch import StallWatch
 from protocol_models.wire import Wire
 from protocol_models.wire.async_schedule import ASYNC_SCHEDULE
 from protocol_models.wire.codecs import CodecSettings
 from protocol_models.wire.link import LinkSettings
 from protocol_models.wire.norm_exchange import NormExchange
 from protocol_models.wire.pipeline import parallelize_protocol, pipeline_protocol
+from protocol_models.wire.stage import Waiting
 from protocol_models.wire.transport import TransportSettings
 
 
@@ -211,6 +213,25 @@ class ProtocolTrainer(Trainer):
         self._steps_run = 0
         """Steps this process has trained (a resumed run starts again at 0)."""
         self.delayed = self._delayed_updates()
+        self.stall_watch = self._stall_watch()
+
+    def _stall_watch(self) -> StallWatch | None:
+        """The bound on a training step of a multi-process run (``training.stall_watch``;
+        None: ``[transport] stall_bound_steps = 0`` or one process)."""
+        transport = self.config.transport
+        if transport.stall_bound_steps <= 0 or self.parallel_dims.world_size == 1:
+            return None
+        places = self.places
+
+        def where(rank: int) -> str:
+            place = places[rank]
+            return f"rank {rank}, node {place.node}, host {place.host}"
+
+        def pending() -> list[Waiting]:
+            return [w for stage in self.wire.stages for w in stage.waiting()]
+
+        return StallWatch(transport.stall_bound_steps, transport.stall_bound_floor_seconds,
+                          pending, where)  # fmt: skip
 
     def _delayed_updates(self) -> DelayedUpdates | None:
         """The delayed update rule of an ``Async1F1B`` run (None: synchronous), given to the
@@ -313,6 +334,7 @@ class ProtocolTrainer(Trainer):
         )
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)  # NCCL: on the device TorchTitan set
+        self.places: list[RankPlace] = everyone
         rank = dist.get_rank()
         where = f"REGION={mine.region}" if mine.labelled else "REGION unset"
         logger.info(
@@ -375,6 +397,8 @@ class ProtocolTrainer(Trainer):
         return loss
 
     def train_step(self, data_iterator):
+        if self.stall_watch is not None:
+            self.stall_watch.step_begins(self.step)
         self.progress.begin(self.step)
         self.optimizers.current_step = self.step
         self.wire.meter.reset()
@@ -392,18 +416,27 @@ class ProtocolTrainer(Trainer):
                 self.pp_schedule.begin(self.step, flush)
         # Async1F1B: a log step between flushes gathers its rows without stopping the pipeline
         self.metrics_processor.gather_later = not flush and self.parallel_dims.pp_enabled
-        with exchanging_grad_norm(
-            self.optimizers,
-            self.norm_exchange,
-            self.wire,
-            delayed=self.delayed,
-            schedule_done=self._post_next_step if self._training_step_follows() else None,
-            metrics_row=self._metrics_row if measure and self._rows_travel_with_norm() else None,
-            metrics=self.metrics_processor,
-        ):
-            super().train_step(data_iterator)
+        rows = measure and self._rows_travel_with_norm()
+        try:
+            with exchanging_grad_norm(
+                self.optimizers,
+                self.norm_exchange,
+                self.wire,
+                delayed=self.delayed,
+                schedule_done=self._post_next_step if self._training_step_follows() else None,
+                metrics_row=self._metrics_row if rows else None,
+                metrics=self.metrics_processor,
+            ):
+                super().train_step(data_iterator)
+        except RuntimeError as e:  # a send, a collective: a peer's connection closed or broke
+            fault = as_link_fault(e, f"step {self.step}: a message to or from another rank")
+            if fault is None:
+                raise
+            raise fault from e
         if flush:  # every record written before a validation's, a checkpoint, the end
             self.metrics_processor.finish_record()
+        if self.stall_watch is not None:
+            self.stall_watch.step_ends()
         self._steps_run += 1
         if self._steps_run == 1:  # as TorchTitan does for its groups after this step
             train = timedelta(seconds=self.config.comm.train_timeout_seconds)
@@ -411,6 +444,11 @@ class ProtocolTrainer(Trainer):
                 dist.set_timeout(train, group)
         if measure:
             logger.info(self.progress.line(self.step))
+
+    def close(self) -> None:
+        if self.stall_watch is not None:
+            self.stall_watch.close()
+        super().close()
 
     def flush_after_step(self) -> bool:
         """Whether the asynchronous pipeline drains in this step and applies every pending

@@ -55,6 +55,7 @@ import torch.distributed.config as dist_config
 from torch.distributed.pipelining import PipelineStage
 from torchtitan.tools.logging import logger
 
+from protocol_models.tools.errors import as_link_fault
 from protocol_models.wire.codecs import Codec, Payload
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.message import MessageLayout
@@ -78,8 +79,25 @@ class Inbound:
     buffer: torch.Tensor
     target: torch.Tensor
     boundary: int
+    peer: int
+    """The sender's global rank."""
     posted_at: float
     work: dist.Work | None = None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """One receive a stage has posted and not yet seen complete."""
+
+    posted_at: float
+    """``time.time()`` when it was posted."""
+    stage: int
+    direction: str
+    """``"fwd"`` (activations from the previous stage) or ``"bwd"`` (gradients from the next)."""
+    boundary: int
+    microbatch: int
+    peer_rank: int
+    """The sender's global rank."""
 
 
 def p2p_per_direction(backend: str, prepost: bool) -> bool:
@@ -257,7 +275,7 @@ class WirePipelineStage(PipelineStage):
         direct = layout.direct and self.codec is None and not self.asynchronous
         buffer = target if direct else layout.empty(target.device)
         boundary = self.stage_index - 1 if direction == "fwd" else self.stage_index
-        inbound = Inbound(layout, buffer, target, boundary, posted_at=time.time())
+        inbound = Inbound(layout, buffer, target, boundary, op.peer, posted_at=time.time())
         self._inbound.setdefault((direction, chunk), deque()).append(inbound)
         return [dist.P2POp(dist.irecv, _wire_view(buffer), op.peer, op.group)]
 
@@ -292,7 +310,16 @@ class WirePipelineStage(PipelineStage):
             blocked = time.time() - inbound.posted_at
         else:
             began = time.time()
-            inbound.work.wait()
+            try:
+                inbound.work.wait()
+            except RuntimeError as e:  # gloo: the peer's connection closed or broke
+                what = (f"stage {self.stage_index}: the {direction} message of microbatch {chunk} "
+                        f"over boundary {inbound.boundary} from rank {inbound.peer}, waited "
+                        f"{time.time() - began:.0f} s,")  # fmt: skip
+                fault = as_link_fault(e, what)
+                if fault is None:
+                    raise
+                raise fault from e
             blocked = time.time() - began
         self.meter.waited(direction, inbound.boundary, blocked)
         parts, stamp = inbound.layout.unpack(inbound.buffer)
@@ -311,6 +338,16 @@ class WirePipelineStage(PipelineStage):
                 target.copy_(self.codec.decode(parts, target.shape))
             else:
                 target.copy_(self.codec.decode_grad(parts, self._sent[chunk], target.shape))
+
+    def waiting(self) -> list[Waiting]:
+        """The pre-posted receives not yet complete (``training.stall_watch``; any thread)."""
+        out = []
+        for (direction, chunk), queue in list(self._inbound.items()):
+            for inbound in list(queue):
+                if inbound.work is not None and not inbound.work.is_completed():
+                    out.append(Waiting(inbound.posted_at, self.stage_index, direction,
+                                       inbound.boundary, chunk, inbound.peer))  # fmt: skip
+        return out
 
     def _describe_once(self, direction: str, boundary: int, ops: list[dist.P2POp]) -> None:
         """Log, once per direction, what this stage's messages over ``boundary`` hold."""

@@ -52,8 +52,21 @@ class TransportSettings:
     ``ceil((2 (L + x) + f + b) / T)``; ``python -m protocol_models.plan`` prints that value for
     the config's link. The first stage's depth must stay below the microbatches per step."""
 
+    stall_bound_steps: float = 5.0
+    """A training step that runs longer than this many median steps plus
+    ``stall_bound_floor_seconds`` (plus twice the time since the previous step: a checkpoint
+    save, a validation) ends the worker with one line naming the boundary and peer it waits for,
+    exit code 3, so that ``--max-restarts`` restarts the run from its last complete checkpoint
+    (``training.stall_watch``). Armed from a process's 5th step. 0: off, a silent peer is
+    noticed only after ``[comm] train_timeout_seconds``."""
+    stall_bound_floor_seconds: float = 60.0
+    """The bound's fixed part, seconds: room for what a median step does not show (a cold
+    compile after a shape change, a slow disk, a TCP retransmission after a short stall)."""
+
     RANGES: ClassVar[Ranges] = {
         "async_hop_depth": AT_LEAST_1,
+        "stall_bound_steps": Range(low=0, note="0 = off"),
+        "stall_bound_floor_seconds": Range(low=1),
         "link_mbps": Range(low=0, note="0 = not stated"),
         "link_latency_ms": Range(low=0, note="0 = not stated"),
     }

@@ -15,6 +15,11 @@ it is addressed to, after
   dropped (a drop-tail buffer, as a router's), and counted;
 * the one-way delay ``delay_ms`` after it left.
 
+Faults, for ``recipes/faults.py``: the relay takes commands on its stdin, one JSON object per
+line: ``{"blackout": seconds}`` drops every packet between every pair for that long (a stall or a
+partition: nothing arrives, no reset is sent), ``{"loss": p}`` drops each packet with
+probability ``p`` from then on (both directions of every pair; seeded, so runs repeat).
+
 So a round trip costs ``2 * delay_ms`` plus serialization, and bulk TCP runs at the rate. The
 kernel has ``tbf`` but no ``netem`` here, hence the relay for the delay. ``link_namespaces``
 sets it all up and tears it down (namespaces, devices, the relay process), also after an error,
@@ -30,6 +35,7 @@ import ctypes
 import fcntl
 import json
 import os
+import random
 import select
 import signal
 import struct
@@ -79,9 +85,15 @@ class Direction:
         self.wire_free = 0.0
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self.dropped = 0
+        self.lost = 0
+        """Packets dropped by a fault (blackout or random loss), not by the full buffer."""
 
-    def accept(self, packet: bytes, now: float) -> None:
-        """Queue ``packet`` (arrived at ``now``) or drop it when the buffer is full."""
+    def accept(self, packet: bytes, now: float, lose: bool = False) -> None:
+        """Queue ``packet`` (arrived at ``now``) or drop it when the buffer is full or ``lose``
+        (a fault)."""
+        if lose:
+            self.lost += 1
+            return
         start = max(self.wire_free, now)
         if start - now > self.shape.queue_ms / 1e3:
             self.dropped += 1
@@ -113,27 +125,65 @@ def destination(packet: bytes) -> int | None:
     return node if 0 <= node < len(ADDRESSES) and packet[16:19] == bytes([10, 203, 0]) else None
 
 
-def relay(fds: list[int], shape: Shape) -> None:
+class Faults:
+    """The faults the relay applies now (module docstring), set by stdin commands."""
+
+    def __init__(self, seed: int = 0):
+        self.blackout_until = 0.0
+        self.loss = 0.0
+        self.random = random.Random(seed)
+
+    def command(self, line: str) -> None:
+        """Apply one command line (``{"blackout": s}`` or ``{"loss": p}``)."""
+        order = json.loads(line)
+        if "blackout" in order:
+            self.blackout_until = time.time() + float(order["blackout"])
+        if "loss" in order:
+            self.loss = float(order["loss"])
+
+    def lose(self, now: float) -> bool:
+        """Whether the packet arriving at ``now`` is lost to a fault."""
+        if now < self.blackout_until:
+            return True
+        return self.loss > 0 and self.random.random() < self.loss
+
+
+def relay(fds: list[int], shape: Shape, control: int | None = None) -> None:
     """Forward packets between the devices ``fds`` (index = node) until SIGTERM/SIGINT, each
-    over the link of its (sender, receiver) pair. It prints ``ready`` on stdout when it can
+    over the link of its (sender, receiver) pair, applying the fault commands read from the
+    file descriptor ``control`` (module docstring). It prints ``ready`` on stdout when it can
     take signals; then on SIGUSR1 one JSON line: the packets each link dropped so far,
-    ``{"a->b": count}``."""
+    ``{"a->b": count}`` (a full buffer's drops; ``"lost"``: the faults' drops, all links)."""
     nodes = len(fds)
     links = {(a, b): Direction(shape, fds[b]) for a in range(nodes) for b in range(nodes) if a != b}
     sender = {fd: node for node, fd in enumerate(fds)}
+    faults = Faults()
+    pending = b""
 
     def report(*_) -> None:
         counts = {f"{NAMES[a]}->{NAMES[b]}": link.dropped for (a, b), link in links.items()}
+        counts["lost"] = sum(link.lost for link in links.values())
         print(json.dumps(counts), flush=True)
 
     signal.signal(signal.SIGUSR1, report)
     print("ready", flush=True)
     due: float | None = None
+    watched = fds if control is None else [*fds, control]
     while True:
         timeout = None if due is None else max(0.0, due - time.time())
-        readable, _, _ = select.select(fds, [], [], timeout)
+        readable, _, _ = select.select(watched, [], [], timeout)
         now = time.time()
+        if control in readable:
+            chunk = os.read(control, 4096)
+            if not chunk:  # the controller closed it: no more commands
+                watched, control = fds, None
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                faults.command(line.decode())
         for fd in readable:
+            if fd == control or fd not in sender:
+                continue
             for _ in range(64):  # drain a burst without starving the others
                 try:
                     packet = os.read(fd, 65536)
@@ -142,7 +192,7 @@ def relay(fds: list[int], shape: Shape) -> None:
                 node = destination(packet)
                 if node is None or node == sender[fd] or node >= nodes:
                     continue
-                links[(sender[fd], node)].accept(packet, now)
+                links[(sender[fd], node)].accept(packet, now, faults.lose(now))
         now = time.time()
         dues = [d for d in (link.deliver(now) for link in links.values()) if d is not None]
         due = min(dues) if dues else None
@@ -207,7 +257,7 @@ def serve(shape: Shape, nodes: int) -> None:
     for node in range(nodes):
         configure(node)
     with contextlib.suppress(KeyboardInterrupt):
-        relay(fds, shape)
+        relay(fds, shape, control=sys.stdin.fileno())
 
 
 class Relay:
@@ -216,8 +266,15 @@ class Relay:
     def __init__(self, proc: subprocess.Popen, nodes: int):
         self.proc, self.nodes = proc, nodes
 
+    def fault(self, **order: float) -> None:
+        """Send the relay a fault command: ``blackout=seconds`` or ``loss=p`` (module
+        docstring)."""
+        self.proc.stdin.write(json.dumps(order) + "\n")
+        self.proc.stdin.flush()
+
     def dropped(self) -> dict[str, int]:
-        """Packets each link (``"a->b"``) has dropped since the relay started."""
+        """Packets each link (``"a->b"``) has dropped since the relay started (and ``"lost"``:
+        to faults, all links)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGUSR1)
             line = self.proc.stdout.readline()
@@ -247,7 +304,7 @@ def link_namespaces(shape: Shape, nodes: int = 2) -> Iterator[Relay]:
         teardown()
         for ns in NAMESPACES[:nodes]:
             ip("netns", "add", ns)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 cwd=_repo())  # fmt: skip
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the TUN relay did not start (exit {proc.wait()})")
