@@ -95,7 +95,6 @@ class Node:
         self.steps: list[tuple[float, int]] = []
         """When each logged step's line was printed (a restart's steps count from its resume)."""
         self.proc: subprocess.Popen | None = None
-        self.starts: list[float] = []
 
     def command(self) -> list[str]:
         """``scripts/train.sh`` as a user runs it on this node (in its namespace)."""
@@ -110,7 +109,6 @@ class Node:
         return in_namespace(self.node, [*env, *train])
 
     def start(self) -> None:
-        self.starts.append(time.time())
         self.proc = subprocess.Popen(self.command(), cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)  # fmt: skip
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
