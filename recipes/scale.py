@@ -128,7 +128,7 @@ ARMS = [
 ]
 PHASES = [
     [a for a in ARMS if a.d < 512 and a.steps == STEPS[0] and a.wire != "pilot U"],
-    [a for a in ARMS if a.wire == "pilot U" or a.d == 512],
+    [a for a in ARMS if a.wire == "pilot U"] + [a for a in ARMS if a.d == 512],  # short first
     [a for a in ARMS if a.steps == STEPS[1]],
 ]
 """The order the study trains in: the cheap widths first, then what needs the pilot or costs
