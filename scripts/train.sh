@@ -28,14 +28,12 @@ shift
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 
-check="$("$PYTHON" -m protocol_models.config --toml "$config" "$@")" || exit 2
+# the check, then (same process) the bundled data and the token ids of a map-style corpus,
+# made once per node here, a "data:" line each
+check="$("$PYTHON" -m protocol_models.config --prepare --toml "$config" "$@")" || exit 2
 nproc="$(sed -n 's/^nproc=//p' <<<"$check")"
 if grep -q '^device=cpu' <<<"$check"; then
     export PROTOCOL_MODELS_DEVICE=cpu   # bind TorchTitan to the CPU even where a GPU exists
-fi
-if grep -q '^prepare_data=1' <<<"$check"; then
-    # the bundled data and the token ids of a map-style corpus, made once (per node) here
-    "$PYTHON" -m protocol_models.prepare --toml "$config" "$@" | sed 's/^/data: /' || exit 2
 fi
 
 NNODES="${NNODES:-1}"

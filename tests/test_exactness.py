@@ -116,13 +116,12 @@ def test_mapl_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
 
 def _validation_loss(nproc: int, dump, seed, *overrides: str) -> float:
     """The validation loss (2 batches) of the tiny model loaded from ``seed``, evaluated forward
-    only by ``tests/pipeline_eval.py`` on ``nproc`` processes (one per pipeline stage)."""
+    only by ``tests/pipeline_eval.py`` on ``nproc`` processes (one per pipeline stage); the data
+    it reads prepared beforehand."""
     args = ["--toml", str(TINY), "--dump_folder", str(dump),
             "--parallelism.pipeline_parallel_degree", str(nproc), "--validator.enable",
             "--validator.steps", "2", "--checkpoint.enable", "--checkpoint.initial_load_path",
             str(seed), *overrides]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "protocol_models.prepare", *args], cwd=REPO,
-                   check=True, capture_output=True)  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc), str(REPO / "tests" / "pipeline_eval.py"), *args]  # fmt: skip
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -148,6 +147,8 @@ def test_flex_attention_evaluates_through_the_pipeline(tmp_path, seed_checkpoint
     short = ["--dataloader.validation_files", str(lines), "--dataloader.sample_by", "line",
              "--protocol.stages", "2"]  # fmt: skip
     flex = [*short, "--model.attention", "flex"]
+    subprocess.run([sys.executable, "-m", "protocol_models.prepare", "--toml", str(TINY),
+                    "--validator.enable", *short], cwd=REPO, check=True, capture_output=True)  # fmt: skip
     piped = _validation_loss(2, tmp_path / "piped", seed, *flex)
     single = _validation_loss(1, tmp_path / "single", seed, *flex)
     causal = _validation_loss(1, tmp_path / "sdpa", seed, *short)

@@ -43,23 +43,24 @@ def test_preposted_receives_equal_just_in_time(tmp_path, schedule, wire):
             assert r[f"wire/messages/fwd/b{b}"] == r[f"wire/messages/bwd/b{b}"] == N_MB
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_exchanged_gradient_norm_equals_the_all_reduce(tmp_path, stages):
-    """The norm summed from exchanged messages in stage order is TorchTitan's all-reduced norm:
-    bit for bit at 2 stages (one addition), to float rounding at 3 (another summation order);
-    the metrics rows that travel with it log what the all-gathered rows log."""
+def test_exchanged_gradient_norm_equals_the_all_reduce(tmp_path):
+    """At 3 stages the norm summed from exchanged messages in stage order is TorchTitan's
+    all-reduced norm to float rounding (another summation order; at 2 stages, one addition, bit
+    for bit: ``test_exchanged_norm_is_bit_exact_at_two_stages``); the metrics rows that travel
+    with it log what the all-gathered rows log."""
     runs = {
-        on: torchrun(stages, tmp_path / on, "--transport.exchange_grad_norm", on)
+        on: torchrun(3, tmp_path / on, "--transport.exchange_grad_norm", on)
         for on in ("true", "false")
     }
     for key in ("loss", "grad_norm"):
         exchanged, reduced = ([r[key] for r in runs[on]] for on in ("true", "false"))
-        if stages == 2:
-            assert exchanged == reduced, key
-        else:
-            assert exchanged == pytest.approx(reduced, rel=1e-6), key
+        assert exchanged == pytest.approx(reduced, rel=1e-6), key
+    _same_metrics_rows(runs["true"], runs["false"])
+
+
+def _same_metrics_rows(exchanged: list[dict], gathered: list[dict]) -> None:
     for key in ("wire/fwd_bytes", "wire/bwd_bytes", "wire/messages", "data/ids_checksum"):
-        assert [r[key] for r in runs["true"]] == [r[key] for r in runs["false"]], key
+        assert [r[key] for r in exchanged] == [r[key] for r in gathered], key
 
 
 def test_one_message_per_microbatch_with_the_link_stamp(tmp_path):
@@ -89,8 +90,45 @@ def _steps(count_log: Path) -> dict[int, list[str]]:
     return steps
 
 
+@pytest.fixture(scope="module")
+def probed_runs(tmp_path_factory):
+    """``probed_runs(exchange)``: the records and the collective probe's count file of a
+    6-step, 2-stage run with ``[transport] exchange_grad_norm = exchange``, logging at steps 1,
+    3 and 6 and validating after steps 1 and 4 (each run once per module)."""
+    made: dict[str, tuple[list[dict], Path]] = {}
+
+    def make(exchange: str) -> tuple[list[dict], Path]:
+        if exchange not in made:
+            folder = tmp_path_factory.mktemp(f"probed-{exchange}")
+            count = folder / "count.log"
+            env = {
+                "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
+                                               os.environ.get("PYTHONPATH", "")]),
+                "COLLECTIVE_PROBE_LOG": str(folder / "probe.log"),
+                "COLLECTIVE_PROBE_COUNT": str(count),
+            }  # fmt: skip
+            records = torchrun(
+                2, folder / "run", "--training.steps", "6", "--metrics.log_freq", "3",
+                "--transport.exchange_grad_norm", exchange, *VALIDATE_AT_END[:2],
+                "--validator.freq", "4", "--validator.steps", "1", env=env,
+            )  # fmt: skip
+            made[exchange] = records, count
+        return made[exchange]
+
+    return make
+
+
+def test_exchanged_norm_is_bit_exact_at_two_stages(probed_runs):
+    """At 2 stages the exchanged norm is one addition, as the all-reduce's: losses and norms
+    equal bit for bit, and the metrics rows equal the all-gathered ones."""
+    (exchanged, _), (reduced, _) = probed_runs("true"), probed_runs("false")
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in exchanged] == [r[key] for r in reduced], key
+    _same_metrics_rows(exchanged, reduced)
+
+
 @pytest.mark.parametrize("exchange", ["true", "false"])
-def test_collectives_per_step(tmp_path, exchange):
+def test_collectives_per_step(probed_runs, exchange):
     """Counted by the collective probe over steps 2-6 of 2 stages, logging at steps 1, 3 and 6
     and validating after steps 1 and 4. With the exchange a step runs no collective across the
     pipeline at all: the gradient norm and, on a log step, the metrics rows travel in
@@ -99,18 +137,7 @@ def test_collectives_per_step(tmp_path, exchange):
     ``wire/collectives`` counts them (a validation adds the broadcast of its loss). Every step
     followed directly by a training step (not the last, none before a validation) posts the
     next step's forward receives early."""
-    count = tmp_path / "count.log"
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "collective_probe"),
-                                       os.environ.get("PYTHONPATH", "")]),
-        "COLLECTIVE_PROBE_LOG": str(tmp_path / "probe.log"),
-        "COLLECTIVE_PROBE_COUNT": str(count),
-    }  # fmt: skip
-    records = torchrun(
-        2, tmp_path / "run", "--training.steps", "6", "--metrics.log_freq", "3",
-        "--transport.exchange_grad_norm", exchange, *VALIDATE_AT_END[:2], "--validator.freq",
-        "4", "--validator.steps", "1", env=env,
-    )  # fmt: skip
+    records, count = probed_runs(exchange)
     logged = [r["step"] for r in records]
     assert logged == [1, 3, 6]
     norm, gather = ([], []) if exchange == "true" else (["all_reduce 2"], ["all_gather_single 2"])

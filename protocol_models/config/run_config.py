@@ -15,8 +15,8 @@ their declared ranges (``protocol_models.tools.ranges``; TorchTitan's tables:
 keys at once, and ``protocol_models.config.preflight`` checks the config against this machine
 (data, tokenizer, dump folder, checkpoint).
 
-Run ``python -m protocol_models.config --toml FILE [overrides]`` to check a config; it prints the
-number of processes the run needs.
+Run ``python -m protocol_models.config [--prepare] --toml FILE [overrides]`` to check a config
+(and prepare its data); it prints the number of processes the run needs.
 """
 
 from __future__ import annotations
@@ -289,28 +289,32 @@ def check_async(config: ProtocolTrainer.Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check a config. On success print ``nproc=<N>`` (processes the run needs),
-    ``device=<cuda|cpu>`` and ``prepare_data=<0|1>`` (whether ``python -m protocol_models.prepare``
-    has work to do before the workers start: the bundled data or a map-style corpus to
-    tokenize); on failure print one ``error:`` line to stderr and return 2. With
-    ``[transport] link_mbps`` and ``link_latency_ms`` stated, a node whose TCP settings would slow
-    that link gets one ``warning:`` line on stderr with the ``sysctl`` command that fixes them;
-    on one of several nodes (``NNODES`` > 1), one whose NCCL interface choice could pick a
-    private address next to a VPN gets one too (``protocol_models.tools.interfaces``)."""
+    """Check a config. On success print ``nproc=<N>`` (processes the run needs) and
+    ``device=<cuda|cpu>``; on failure print one ``error:`` line to stderr and return 2. With
+    ``--prepare`` before the config's arguments, the same process then makes ready what the
+    config reads before any worker starts (``protocol_models.data.loader.prepare``: the bundled
+    data, the token-id cache of a map-style corpus), one ``data:`` line per part on stderr, a
+    part it cannot prepare being one ``error:`` line. With ``[transport] link_mbps`` and
+    ``link_latency_ms`` stated, a node whose TCP settings would slow that link gets one
+    ``warning:`` line on stderr with the ``sysctl`` command that fixes them; on one of several
+    nodes (``NNODES`` > 1), one whose NCCL interface choice could pick a private address next
+    to a VPN gets one too (``protocol_models.tools.interfaces``)."""
     from protocol_models.data import loader as data
     from protocol_models.tools.interfaces import interface_warning
     from protocol_models.wire.transport import tcp_advice
 
-    toml_path, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    make_ready = args[:1] == ["--prepare"]
+    toml_path, overrides = split_argv(args[1:] if make_ready else args)
     try:
         config = load_config(toml_path, overrides)
+        for line in data.prepare(config) if make_ready else ():
+            print(f"data: {line}", file=sys.stderr)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"nproc={config.world_size}")
     print(f"device={config.hardware.device}")
-    prepare = not config.dataloader.streaming or data.bundled_data_pending(config)
-    print(f"prepare_data={int(prepare)}")
     transport = config.transport
     advice = transport.link_stated and tcp_advice(transport.link_mbps, transport.link_latency_ms)
     if advice:

@@ -41,26 +41,17 @@ def train(
     nproc: int | None = None,
     env: dict | None = None,
 ) -> list[dict]:
-    """Run one training job (its data prepared first where the config check asks for it, as
-    ``scripts/train.sh`` does); return its ``metrics.jsonl`` records (raises on failure)."""
+    """Run one training job (its config checked and its data prepared first, in one process,
+    as ``scripts/train.sh`` does); return its ``metrics.jsonl`` records (raises on failure)."""
     dump_folder.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "validation.jsonl"):
         (dump_folder / name).unlink(missing_ok=True)
-    check = subprocess.run(
-        [sys.executable, "-m", "protocol_models.config", "--toml", str(toml), *overrides],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    check = subprocess.run(  # the check and the data, as scripts/train.sh does
+        [sys.executable, "-m", "protocol_models.config", "--prepare", "--toml", str(toml),
+         *overrides],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
     nproc = nproc or int(check.stdout.split("nproc=")[1].split()[0])
-    if "prepare_data=1" in check.stdout.split():  # as scripts/train.sh does: the data, once
-        subprocess.run(
-            [sys.executable, "-m", "protocol_models.prepare", "--toml", str(toml), *overrides],
-            cwd=REPO,
-            capture_output=True,
-            check=True,
-        )
     env = dict(env or os.environ)
     if "device=cpu" in check.stdout.split():
         env["PROTOCOL_MODELS_DEVICE"] = "cpu"  # as scripts/train.sh does, on a GPU machine too
