@@ -14,7 +14,6 @@ if [ -d "$dump" ]; then
     mv "$dump" "$dump.previous"
     echo "[quickstart] the previous quick start's run is now in $dump.previous"
 fi
-python -m protocol_models.prepare
 bash scripts/train.sh "${run[@]}"
 python -m protocol_models.report "${run[@]}"
 cat <<EOF
