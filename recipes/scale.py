@@ -27,8 +27,10 @@ with ``protocol.stages = 4`` (the exact model a 4-process pipeline trains):
   ``[protocol] basis_file``, against the random U of the exact arm.
 
 Each finished run's summary goes into ``results/scale/results.json`` at once, so the study
-resumes from it (the run cache ``results/runs`` need not survive). Run wall times are as
-measured, at ``PM_PARALLEL_RUNS`` runs at a time.
+resumes from it (the run cache ``results/runs`` need not survive); where the cache survives, a
+run of 40 minutes or more that was cut short resumes from its last checkpoint (every
+``steps / 6`` steps). Run wall times are as measured, at ``PM_PARALLEL_RUNS`` runs at a time,
+summed over a resumed run's launches (with the steps it repeated).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ from recipes.common import (
     PARALLEL_RUNS,
     REFERENCE,
     REPO,
+    launch_seconds,
     repo_relative,
     run_slot,
     train_cached,
@@ -100,6 +102,15 @@ class Arm:
     def name(self) -> str:
         return f"d={self.d} {self.wire} {self.steps} steps"
 
+    @property
+    def resumable(self) -> bool:
+        """Whether its runs save checkpoints every ``steps / 6`` steps, which a run cut short
+        (a session's end) resumes from: the dense twins (their spectra read them all) and the
+        runs of 40 minutes or more (d = 512, 1,200 steps); the shorter subspace arms save only
+        their final weights (the d = 256 ones keep the codec comparison's overrides, and so its
+        cached runs)."""
+        return self.wire == "dense" or self.d > 256 or self.steps > STEPS[0]
+
     def overrides(self, seed: int) -> list[str]:
         """The run's overrides of the reference workload (none for what it already says: the
         d = 256, 300-step arms are the codec comparison's runs, and share its cache)."""
@@ -111,14 +122,18 @@ class Arm:
         if self.steps != STEPS[0]:
             budget = ["--training.steps", str(self.steps), "--lr_scheduler.warmup_steps",
                       str(20 * self.steps // STEPS[0]), "--validator.freq", every]  # fmt: skip
+        checkpoints = []
+        if self.resumable:  # a dense twin keeps all for its spectra, another run its newest two
+            checkpoints = ["--checkpoint.interval", every, "--checkpoint.keep_latest_k",
+                           "0" if self.wire == "dense" else "2"]  # fmt: skip
         wire = {
-            "dense": ["--protocol.mode", "dense", "--checkpoint.interval", every,
-                      "--checkpoint.keep_latest_k", "0"],
+            "dense": ["--protocol.mode", "dense"],
             "exact": [],
             "8-bit": ["--codec.bits", "8"],
             "pilot U": ["--protocol.basis_file", repo_relative(PILOT_BASIS)],
-        }[self.wire]  # fmt: skip
-        return [*width, *budget, *wire, "--optimizer.name", "muon", "--debug.seed", str(seed)]
+        }[self.wire]
+        return [*width, *budget, *checkpoints, *wire, "--optimizer.name", "muon",
+                "--debug.seed", str(seed)]  # fmt: skip
 
 
 ARMS = [
@@ -190,6 +205,7 @@ def measure(arm: Arm, seed: int) -> dict:
         "val_curve": curve,
         "final_val_loss": curve[-1][1],
         "wall_s": wall_seconds(folder),
+        "launches": len(launch_seconds(folder)),
     }
     if arm.wire == "dense":
         steps = complete_step_numbers(str(folder / "checkpoint"))
@@ -243,7 +259,6 @@ def make_pilot(results: dict) -> None:
 
 def run_study() -> None:
     results = load_results()
-    start = time.time()
     for phase in PHASES:
         if any(a.wire == "pilot U" for a in phase):
             make_pilot(results)
@@ -263,8 +278,6 @@ def run_study() -> None:
 
         with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
             list(pool.map(one, jobs))
-    results["recipe_wall_s"] = results.get("recipe_wall_s", 0.0) + time.time() - start
-    save(results)
 
 
 def _ratio(arm: Arm) -> float:
@@ -340,6 +353,10 @@ def render_table(results: dict) -> str:
             f"| {arm.name} | {arm.k} | {row['ratio']:.0f}x | {arm.steps} | {losses} | {gap_text} "
             f"| {statistics.fmean(walls):.0f} |"
         )
+    trained = [e for row in results["runs"].values() for e in row["seeds"].values()]
+    trained += [results["pilot"]] if results.get("pilot", {}).get("wall_s") else []
+    total_h = sum(e["wall_s"] for e in trained) / 3600
+    lines += ["", f"The {len(trained)} trained runs' wall times sum to {total_h:.1f} h."]
     title = "Rank collapse (dense twins, seed 0; the exact arms' final stream, for reference):"
     lines += ["", title, "",
               "| run | step | stream top-k share | writers top-k share "

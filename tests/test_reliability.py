@@ -183,6 +183,45 @@ def test_half_written_checkpoint_is_never_loaded(tmp_path, uninterrupted):
     assert (dump / "checkpoint" / "step-15" / ".metadata").is_file()
 
 
+def test_a_study_run_cut_short_resumes_from_its_checkpoint(tmp_path, uninterrupted, monkeypatch):
+    """A recipe's run (``train_cached``) whose whole process tree is killed after step 12, as a
+    session's end kills it, resumes from its step-10 checkpoint when the recipe asks again:
+    every step's loss equals an uninterrupted run's, and its wall time sums both launches."""
+    import recipes.common as common
+
+    monkeypatch.setattr(common, "RUN_CACHE", tmp_path / "runs")
+    overrides = ["--training.steps", "20", *CKPT, *STREAMED]
+    folder = common.run_folder(overrides, toml=TINY, nproc=2)
+    recipe = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; import recipes.common as c; "
+         "c.RUN_CACHE = Path(sys.argv[1]); c.train_cached(sys.argv[3:], toml=Path(sys.argv[2]), "
+         "nproc=2)", str(common.RUN_CACHE), str(TINY), *overrides],
+        cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert _step_logged(folder, 12, recipe), "the run ended before step 12"
+    finally:  # the whole tree (TorchTitan's workers run in sessions of their own)
+        tree, found = [], [recipe.pid]
+        while found:
+            tree += found
+            found = [kid for pid in found for kid in _children(pid)]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        recipe.wait()
+    assert not (folder / "done").exists()
+
+    assert common.train_cached(overrides, toml=TINY, nproc=2) == folder
+    log = (folder / "run.log").read_text()
+    assert log.count(common.LAUNCH_MARK) == 2 and "Training starts at step 11" in log
+    resumed = read_jsonl(folder / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, 21))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted]
+    walls = common.launch_seconds(folder)
+    assert len(walls) == 2 and all(w > 0 for w in walls)
+    assert common.wall_seconds(folder) == sum(walls)
+
+
 def test_non_finite_step_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     dump = tmp_path / "run"
     result = subprocess.run(

@@ -22,6 +22,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from protocol_models.training.checkpointing import complete_step_numbers
 from protocol_models.training.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +32,8 @@ RUN_CACHE = REPO / "results" / "runs"
 the recipes so a run two studies need (e.g. the Muon dense twin) is trained once."""
 PARALLEL_RUNS = int(os.environ.get("PM_PARALLEL_RUNS", "2"))
 """Study runs that may train at the same time across all recipes (one core each)."""
+LAUNCH_MARK = "launch: "
+"""The first line ``train`` writes into ``run.log`` for each launch of a run."""
 
 
 def train(
@@ -40,12 +43,17 @@ def train(
     toml: Path = REFERENCE,
     nproc: int | None = None,
     env: dict | None = None,
+    resume: bool = False,
 ) -> list[dict]:
     """Run one training job (its config checked and its data prepared first, in one process,
-    as ``scripts/train.sh`` does); return its ``metrics.jsonl`` records (raises on failure)."""
+    as ``scripts/train.sh`` does); return its ``metrics.jsonl`` records (raises on failure).
+
+    ``resume``: the run continues from the checkpoint in ``dump_folder`` (the records of the
+    steps before it are kept, the log is appended to); otherwise it starts anew."""
     dump_folder.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "validation.jsonl"):
-        (dump_folder / name).unlink(missing_ok=True)
+    if not resume:
+        for name in ("metrics.jsonl", "validation.jsonl"):
+            (dump_folder / name).unlink(missing_ok=True)
     check = subprocess.run(  # the check and the data, as scripts/train.sh does
         [sys.executable, "-m", "protocol_models.config", "--prepare", "--toml", str(toml),
          *overrides],
@@ -70,7 +78,9 @@ def train(
         str(dump_folder),
         *overrides,
     ]
-    with open(dump_folder / "run.log", "w") as log:
+    with open(dump_folder / "run.log", "a" if resume else "w") as log:
+        log.write(f"{LAUNCH_MARK}{' '.join(cmd)}\n")
+        log.flush()
         result = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if result.returncode != 0:
         raise RuntimeError(
@@ -85,8 +95,11 @@ def train_cached(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1
     and the final model weights under ``checkpoint/step-N``). Overrides are compared as a set of
     ``key = value`` pairs, so their order does not matter.
 
-    Concurrent callers (several recipes at once) wait for each other on a per-run lock, and at
-    most ``PARALLEL_RUNS`` runs train at a time. Delete ``results/runs`` to retrain everything.
+    A run cut short (its recipe stopped, a session ended) resumes from its newest checkpoint
+    holding the training state (``resume_point``; a recipe whose runs are long asks for
+    ``--checkpoint.interval``), else starts over. Concurrent callers (several recipes at once)
+    wait for each other on a per-run lock, and at most ``PARALLEL_RUNS`` runs train at a time.
+    Delete ``results/runs`` to retrain everything.
     """
     folder = run_folder(overrides, toml=toml, nproc=nproc)
     folder.mkdir(parents=True, exist_ok=True)
@@ -99,16 +112,43 @@ def train_cached(overrides: list[str], *, toml: Path = REFERENCE, nproc: int = 1
                 indent=1,
             )  # fmt: skip
         )
-        # a run cut short left checkpoints (a model-only last one, maybe): start it over, so its
-        # metrics, log and wall time cover the whole run
-        shutil.rmtree(folder / "checkpoint", ignore_errors=True)
+        resumed = resume_point(folder / "checkpoint") is not None
         with run_slot():
             single = ["--parallelism.pipeline_parallel_degree", "1"] if nproc == 1 else []
             final_weights = ["--checkpoint.enable", "--checkpoint.last_save_model_only"]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            train(folder, [*single, *final_weights, *overrides], toml=toml, nproc=nproc, env=env)
+            train(folder, [*single, *final_weights, *overrides], toml=toml, nproc=nproc, env=env,
+                  resume=resumed)  # fmt: skip
         (folder / "done").touch()
     return folder
+
+
+def resume_point(checkpoint: Path) -> int | None:
+    """Where a run cut short (a session's end, a machine going down) resumes: the newest
+    complete checkpoint in ``checkpoint`` that holds the training state. Every ``step-N``
+    folder after it (half-written, or the model-only last save of a run stopped before it was
+    marked done) is removed; with none, the whole folder is, and the run starts over."""
+    full = [
+        step
+        for step in complete_step_numbers(str(checkpoint))
+        if _holds_training_state(checkpoint / f"step-{step}")
+    ]
+    if not full:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        return None
+    for step_dir in checkpoint.glob("step-*"):
+        if int(step_dir.name.removeprefix("step-")) > full[-1]:
+            shutil.rmtree(step_dir)
+    return full[-1]
+
+
+def _holds_training_state(step_dir: Path) -> bool:
+    """Whether a complete DCP checkpoint holds more than the model (TorchTitan's ``train_state``
+    is saved with the optimizer, and never in a model-only save)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    return any(name.split(".")[0] == "train_state" for name in saved)
 
 
 def canonical_overrides(overrides: list[str]) -> tuple[tuple[str, str], ...]:
@@ -159,15 +199,25 @@ def run_slot():
         time.sleep(2)
 
 
+def launch_seconds(folder: Path) -> list[float]:
+    """The wall time of each launch of a run (one unless it was resumed): from the first to the
+    last timestamp of that launch's part of its log (excludes the time ``train_cached`` waited
+    for a slot; a resumed run's total counts the steps it repeated after its checkpoint)."""
+    text = (folder / "run.log").read_text(errors="replace")
+    walls = []
+    for part in text.split(LAUNCH_MARK):
+        stamps = re.findall(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", part)
+        if stamps:
+            first, last = (
+                datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s in (stamps[0], stamps[-1])
+            )
+            walls.append((last - first).total_seconds())
+    return walls
+
+
 def wall_seconds(folder: Path) -> float:
-    """A run's wall time: from the first to the last timestamp of its log (excludes the time
-    ``train_cached`` waited for a slot)."""
-    stamps = re.findall(
-        r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})",
-        (folder / "run.log").read_text(errors="replace"),
-    )
-    first, last = (datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s in (stamps[0], stamps[-1]))
-    return (last - first).total_seconds()
+    """A run's wall time, summed over its launches (``launch_seconds``)."""
+    return sum(launch_seconds(folder))
 
 
 def repo_relative(path: Path) -> str:
