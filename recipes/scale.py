@@ -3,6 +3,7 @@ data-driven subspace.
 
     python recipes/scale.py                 # trains what results/scale/results.json lacks
     python recipes/scale.py --render-only   # table and plots from results/scale/results.json
+    python recipes/scale.py --only "d=512 dense 300 steps" ...   # only these arms' runs
 
 The reference workload (``configs/reference_cpu.toml``: Shakespeare, 8 layers in a 4-stage
 layout, validation on 32,768 held-out tokens), every arm with Muon on the same matrices as its
@@ -29,8 +30,10 @@ with ``protocol.stages = 4`` (the exact model a 4-process pipeline trains):
 Each finished run's summary goes into ``results/scale/results.json`` at once, so the study
 resumes from it (the run cache ``results/runs`` need not survive); where the cache survives, a
 run of 40 minutes or more that was cut short resumes from its last checkpoint (every
-``steps / 6`` steps). Run wall times are as measured, at ``PM_PARALLEL_RUNS`` runs at a time,
-summed over a resumed run's launches (with the steps it repeated).
+``steps / 6`` steps). On a machine that stops before the study ends and loses the run cache,
+``--only`` takes the arms whose runs fit. Run wall times are as measured, at
+``PM_PARALLEL_RUNS`` runs at a time, summed over a resumed run's launches (with the steps it
+repeated).
 """
 
 from __future__ import annotations
@@ -257,9 +260,12 @@ def make_pilot(results: dict) -> None:
     save(results)
 
 
-def run_study() -> None:
+def run_study(names: set[str] | None = None) -> None:
+    """Train every run ``results.json`` lacks, phase by phase; with ``names``, only those arms'
+    (a session shorter than the study can take the runs that fit in it)."""
     results = load_results()
     for phase in PHASES:
+        phase = [a for a in phase if names is None or a.name in names]
         if any(a.wire == "pilot U" for a in phase):
             make_pilot(results)
         jobs = [(a, s) for a in phase for s in SEEDS if str(s) not in
@@ -431,9 +437,12 @@ def main() -> None:
     torch.set_num_threads(1)  # the recipe's own computing shares the machine with its runs
     parser = argparse.ArgumentParser(prog="python recipes/scale.py")
     parser.add_argument("--render-only", action="store_true", help="no training")
+    parser.add_argument("--only", nargs="+", choices=[a.name for a in ARMS], metavar="ARM",
+                        help="train only these arms' missing runs: " +
+                        ", ".join(repr(a.name) for a in ARMS))  # fmt: skip
     args = parser.parse_args()
     if not args.render_only:
-        run_study()
+        run_study(set(args.only) if args.only else None)
     report(load_results())
 
 
