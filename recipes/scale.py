@@ -29,11 +29,11 @@ with ``protocol.stages = 4`` (the exact model a 4-process pipeline trains):
 
 Each finished run's summary goes into ``results/scale/results.json`` at once, so the study
 resumes from it (the run cache ``results/runs`` need not survive); where the cache survives, a
-run of 40 minutes or more that was cut short resumes from its last checkpoint (every
-``steps / 6`` steps). On a machine that stops before the study ends and loses the run cache,
-``--only`` takes the arms whose runs fit. Run wall times are as measured, at
-``PM_PARALLEL_RUNS`` runs at a time, summed over a resumed run's launches (with the steps it
-repeated).
+dense twin or a run of 40 minutes or more (d = 512, 1,200 steps) that was cut short resumes from
+its last checkpoint (every ``steps / 6`` steps). On a machine that stops before the study ends
+and loses the run cache, ``--only`` takes the arms whose runs fit. Run wall times are as
+measured, at ``PM_PARALLEL_RUNS`` runs at a time, summed over a resumed run's launches (with the
+steps it repeated).
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ def trends(results: dict) -> dict:
 def render_table(results: dict) -> str:
     lines = [
         "| arm | k | ratio | steps | final val loss (seed 0 / 1) "
-        "| gap vs dense twin, % (seed 0 / 1) | wall s per run |",
+        "| gap vs dense twin, % (seed 0 / 1) | wall s per run (seeds' mean) |",
         "|---|---|---|---|---|---|---|",
     ]
     for arm in ARMS:
@@ -360,9 +360,12 @@ def render_table(results: dict) -> str:
             f"| {statistics.fmean(walls):.0f} |"
         )
     trained = [e for row in results["runs"].values() for e in row["seeds"].values()]
-    trained += [results["pilot"]] if results.get("pilot", {}).get("wall_s") else []
-    total_h = sum(e["wall_s"] for e in trained) / 3600
-    lines += ["", f"The {len(trained)} trained runs' wall times sum to {total_h:.1f} h."]
+    pilot = results.get("pilot") or {}
+    total_h = (sum(e["wall_s"] for e in trained) + pilot.get("wall_s", 0)) / 3600
+    and_pilot = " and the pilot's" if "wall_s" in pilot else ""
+    lines += ["", f"The {len(trained)} of {len(ARMS) * len(SEEDS)} runs trained so far{and_pilot}: "
+              f"wall times sum to {total_h:.1f} h (one process on one core each; no link, so "
+              "they say nothing of the wire's speed)."]  # fmt: skip
     title = "Rank collapse (dense twins, seed 0; the exact arms' final stream, for reference):"
     lines += ["", title, "",
               "| run | step | stream top-k share | writers top-k share "
