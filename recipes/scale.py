@@ -313,20 +313,33 @@ def slope(xs: list[float], ys: list[float]) -> float:
     )
 
 
+def width_fit(points: dict[int, list[float]], scale=lambda g: g) -> dict:
+    """Slope of ``scale(gap)`` on log2 d, for each seed alone and pooled over seeds."""
+    xs = [math.log2(d) for d in WIDTHS]
+    return {
+        "per seed": [slope(xs, [scale(points[d][i]) for d in WIDTHS]) for i in range(len(SEEDS))],
+        "pooled": slope([x for x in xs for _ in SEEDS],
+                        [scale(g) for d in WIDTHS for g in points[d]]),
+    }  # fmt: skip
+
+
 def trends(results: dict) -> dict:
-    """The fitted directions: gap (percentage points) per doubling of d at 300 steps, and per
-    quadrupling of tokens at d = 256, per wire, for each seed alone (their spread is the
-    uncertainty) and pooled."""
+    """The fitted directions, per wire, for each seed alone (their spread is the uncertainty)
+    and pooled: at 300 steps the gap (percentage points) per doubling of d — a straight line in
+    log d — and, where every gap is positive, the factor the gap is multiplied by per doubling
+    of d (a power law, fitted as log2 gap on log2 d); at d = 256 the gap per quadrupling of
+    tokens."""
     out = {}
     for wire in ("exact", "8-bit"):
         points = {d: gaps(results, Arm(d, wire)) for d in WIDTHS}
         if all(points.values()):
-            xs = [math.log2(d) for d in WIDTHS]
-            out[f"{wire} per doubling of d"] = {
-                "per seed": [slope(xs, [points[d][i] for d in WIDTHS]) for i in range(len(SEEDS))],
-                "pooled": slope([x for x in xs for _ in SEEDS],
-                                [g for d in WIDTHS for g in points[d]]),
-            }  # fmt: skip
+            out[f"{wire} per doubling of d"] = width_fit(points)
+            if all(g > 0 for gap in points.values() for g in gap):
+                logs = width_fit(points, scale=math.log2)
+                out[f"{wire} factor per doubling of d"] = {
+                    "per seed": [2**s for s in logs["per seed"]],
+                    "pooled": 2 ** logs["pooled"],
+                }
         short, long = gaps(results, Arm(256, wire)), gaps(results, Arm(256, wire, STEPS[1]))
         if short and long:
             out[f"{wire} per 4x tokens"] = {
@@ -379,10 +392,12 @@ def render_table(results: dict) -> str:
             )
     fitted = trends(results)
     if fitted:
-        lines += ["", "Fitted directions (gap in percentage points; per seed, pooled):", ""]
+        lines += ["", "Fitted directions (gap in percentage points, or the factor it is "
+                  "multiplied by; per seed, pooled):", ""]  # fmt: skip
         for name, t in fitted.items():
-            per_seed = ", ".join(f"{v:+.2f}" for v in t["per seed"])
-            lines.append(f"- {name}: {per_seed}; pooled {t['pooled']:+.2f}")
+            sign = "" if "factor" in name else "+"
+            per_seed = ", ".join(f"{v:{sign}.2f}" for v in t["per seed"])
+            lines.append(f"- {name}: {per_seed}; pooled {t['pooled']:{sign}.2f}")
     return "\n".join(lines) + "\n"
 
 
@@ -425,6 +440,7 @@ def plot(results: dict) -> None:
         axis.legend()
     for axis in (width, tokens):
         axis.axhline(0, color="grey", lw=0.8)
+        axis.set_xticks([], minor=True)  # only the measured widths and budgets are labelled
     fig.tight_layout()
     fig.savefig(OUT / "scale.png", dpi=120)
 

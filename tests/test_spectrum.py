@@ -76,26 +76,40 @@ def test_principal_basis_recovers_the_subspace_the_rows_lie_in():
 
 def test_the_study_pairs_seeds_and_fits_the_trend():
     """``recipes/scale.py`` on a synthetic results file: each seed's gap against the twin's same
-    seed, the fitted gap per doubling of d per seed and pooled, and rows not yet run marked."""
+    seed, the fitted gap per doubling of d (a line in log d) and the factor per doubling (a power
+    law) per seed and pooled, and rows not yet run marked."""
     from recipes.scale import WIDTHS, Arm, gaps, render_table, trends
 
-    runs = {}
-    for d, shrink in zip(WIDTHS, (2.0, 1.0, 0.0), strict=True):  # gap 2, 1, 0 % (+0.5 seed 1)
-        for wire, gap in (("dense", 0.0), ("exact", shrink)):
-            seeds = {str(s): {"final_val_loss": 4.0 * (1 + (gap + 0.5 * s * (wire != "dense")) / 100),
-                              "wall_s": 10.0} for s in (0, 1)}  # fmt: skip
-            runs[Arm(d, wire).name] = {"ratio": 32.0, "seeds": seeds}
-    results = {"runs": runs}
+    def study(seed0_gaps, seed1_extra=0.5):
+        runs = {}
+        for d, shrink in zip(WIDTHS, seed0_gaps, strict=True):
+            for wire, gap in (("dense", 0.0), ("exact", shrink)):
+                seeds = {str(s): {"final_val_loss": 4.0 * (1 + (gap + seed1_extra * s * (wire != "dense")) / 100),
+                                  "wall_s": 10.0} for s in (0, 1)}  # fmt: skip
+                runs[Arm(d, wire).name] = {"ratio": 32.0, "seeds": seeds}
+        return {"runs": runs}
+
+    results = study((2.0, 1.0, 0.0))  # gap 2, 1, 0 % (+0.5 seed 1)
     assert gaps(results, Arm(128, "exact")) == pytest.approx([2.0, 2.5])
     assert gaps(results, Arm(128, "8-bit")) is None
     fitted = trends(results)
     assert fitted["exact per doubling of d"]["per seed"] == pytest.approx([-1.0, -1.0])
     assert fitted["exact per doubling of d"]["pooled"] == pytest.approx(-1.0)
+    assert "exact factor per doubling of d" not in fitted  # a gap of 0 has no power law
     assert "8-bit per doubling of d" not in fitted
     table = render_table(results)
     assert "| d=128 exact 300 steps | 4 | 32x | 300 | 4.0800 / 4.1000 | +2.00 / +2.50 (mean +2.25)" in table
     assert "| d=512 8-bit 300 steps | 16 | | 300 | not run yet | | |" in table
     assert "The 12 of 26 runs trained so far: wall times sum to 0.0 h" in table
+
+    halving = trends(study((4.0, 2.0, 1.0), seed1_extra=0.0))["exact factor per doubling of d"]
+    assert halving["per seed"] == pytest.approx([0.5, 0.5])
+    assert halving["pooled"] == pytest.approx(0.5)
+    mixed = study((4.0, 2.0, 1.0), seed1_extra=4.0)  # seed 1: 8, 6, 5 %
+    factor = trends(mixed)["exact factor per doubling of d"]
+    assert factor["per seed"][1] == pytest.approx((5 / 8) ** 0.5)
+    assert factor["pooled"] == pytest.approx((0.5 * (5 / 8) ** 0.5) ** 0.5)  # geometric mean
+    assert "- exact factor per doubling of d: 0.50, 0.79; pooled 0.63" in render_table(mixed)
 
 
 def _basis_file(path, basis: torch.Tensor):
