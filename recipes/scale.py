@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,7 +314,9 @@ def slope(xs: list[float], ys: list[float]) -> float:
     )
 
 
-def width_fit(points: dict[int, list[float]], scale=lambda g: g) -> dict:
+def width_fit(
+    points: dict[int, list[float]], scale: Callable[[float], float] = lambda g: g
+) -> dict:
     """Slope of ``scale(gap)`` on log2 d, for each seed alone and pooled over seeds."""
     xs = [math.log2(d) for d in WIDTHS]
     return {
@@ -328,23 +331,25 @@ def trends(results: dict) -> dict:
     and pooled: at 300 steps the gap (percentage points) per doubling of d — a straight line in
     log d — and, where every gap is positive, the factor the gap is multiplied by per doubling
     of d (a power law, fitted as log2 gap on log2 d); at d = 256 the gap per quadrupling of
-    tokens."""
+    tokens. Each entry carries the format its figures print with (signed for points)."""
     out = {}
     for wire in ("exact", "8-bit"):
         points = {d: gaps(results, Arm(d, wire)) for d in WIDTHS}
         if all(points.values()):
-            out[f"{wire} per doubling of d"] = width_fit(points)
+            out[f"{wire} per doubling of d"] = {**width_fit(points), "format": "+.2f"}
             if all(g > 0 for gap in points.values() for g in gap):
                 logs = width_fit(points, scale=math.log2)
                 out[f"{wire} factor per doubling of d"] = {
                     "per seed": [2**s for s in logs["per seed"]],
                     "pooled": 2 ** logs["pooled"],
+                    "format": ".2f",
                 }
         short, long = gaps(results, Arm(256, wire)), gaps(results, Arm(256, wire, STEPS[1]))
         if short and long:
             out[f"{wire} per 4x tokens"] = {
                 "per seed": [b - a for a, b in zip(short, long, strict=True)],
                 "pooled": statistics.fmean(long) - statistics.fmean(short),
+                "format": "+.2f",
             }
     return out
 
@@ -395,9 +400,8 @@ def render_table(results: dict) -> str:
         lines += ["", "Fitted directions (gap in percentage points, or the factor it is "
                   "multiplied by; per seed, pooled):", ""]  # fmt: skip
         for name, t in fitted.items():
-            sign = "" if "factor" in name else "+"
-            per_seed = ", ".join(f"{v:{sign}.2f}" for v in t["per seed"])
-            lines.append(f"- {name}: {per_seed}; pooled {t['pooled']:{sign}.2f}")
+            per_seed = ", ".join(f"{v:{t['format']}}" for v in t["per seed"])
+            lines.append(f"- {name}: {per_seed}; pooled {t['pooled']:{t['format']}}")
     return "\n".join(lines) + "\n"
 
 
