@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from protocol_models.cluster import fsdp_probe
 from protocol_models.cluster.fsdp_probe import FSDP_PROBE_ENV
 from protocol_models.config.run_config import load_config, split_argv
+from protocol_models.tools import nccl_rules
 from protocol_models.tools.errors import USER_ERROR_FILE_ENV, LinkFault, UserError
 from protocol_models.training import console
 from protocol_models.training.stall_watch import end_worker
@@ -63,6 +64,8 @@ def exit_now(code: int) -> None:
 
 
 def run(toml_path: str | None, overrides: list[str]) -> None:
+    if nccl_rules.enabled():  # a CPU test of the NCCL path (PM_NCCL_RULES)
+        nccl_rules.install()
     config = load_config(toml_path, overrides)
 
     from torchtitan.tools.logging import init_logger, logger

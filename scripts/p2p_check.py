@@ -21,7 +21,10 @@ Rank 0 measures on its own clock, so the nodes' clocks need not agree. For each 
 ``late - first`` per size is the verdict: about ``2 L`` (twice the one-byte round trip's half)
 means receiver-driven, about 0 sender-driven. Messages from rank 0 travel on one process group
 and the answers on another, so that NCCL (which runs a communicator's operations in the order
-they were issued) never queues a receive ahead of a send. On NCCL set what the run will use
+they were issued) never queues a receive ahead of a send; both are connected first, one byte
+each way. Over NCCL's socket transport a send does not wait for its receive: expect
+sender-driven, a late receive costing about nothing (over InfiniBand a send waits for the
+receive to be posted: receiver-driven). On NCCL set what the run will use
 (e.g. ``NCCL_SOCKET_IFNAME``, ``NCCL_IB_DISABLE=1`` for the socket transport over a WAN).
 The last line is the result as JSON.
 """
@@ -61,6 +64,18 @@ class Pair:
         self.forth = dist.new_group([0, 1])
         self.back = dist.new_group([0, 1])
         self.byte = torch.zeros(1, dtype=torch.uint8, device=device)
+        self._connect()
+
+    def _connect(self) -> None:
+        """One byte each way, ``forth`` first: NCCL sets up a connection at its first message
+        in each direction and blocks both sides until both have issued theirs, so a receive
+        posted ahead of a message that needs the peer first would never complete."""
+        for group, sender in ((self.forth, 0), (self.back, 1)):
+            byte = torch.zeros_like(self.byte)
+            if dist.get_rank() == sender:
+                _wait(self.send(byte, group), self.device)
+            else:
+                _wait(self.recv(byte, group), self.device)
 
     def send(self, t: torch.Tensor, group) -> dist.Work:
         return dist.isend(t, group=group, group_dst=1 - dist.get_rank())

@@ -27,6 +27,12 @@ config="$(realpath "$1")"
 shift
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
+if ! command -v "$PYTHON" >/dev/null; then  # e.g. a node whose checkout has no .venv yet
+    echo "error: PYTHON = $PYTHON: no such program in $PWD on $HOSTNAME; run" \
+        "\`source scripts/env.sh\` here once (it creates .venv)$( [ "${NNODES:-1}" -gt 1 ] &&
+        echo ", on every node: each needs the checkout and its .venv")" >&2
+    exit 2
+fi
 
 # the check, then (same process) the bundled data and the token ids of a map-style corpus,
 # made once per node here, a "data:" line each

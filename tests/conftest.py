@@ -26,6 +26,16 @@ PLAN_LAYOUT = [
 2 x 16 tokens) with k = 4: the learned boundaries' planner tests compare it with its dense twin."""
 
 
+def fake_commands(folder: Path, bodies: dict[str, str]) -> Path:
+    """Stand-in programs ``folder/<name>`` that run ``bodies[name]`` in bash (``srun``,
+    ``scontrol``, the Python a script runs); returns ``folder``, to put first on ``PATH``."""
+    folder.mkdir(exist_ok=True)
+    for name, body in bodies.items():
+        (folder / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (folder / name).chmod(0o755)
+    return folder
+
+
 def config_error(*overrides: str) -> str:
     """The ``ConfigError`` message tiny.toml with ``overrides`` raises (asserted one line)."""
     from protocol_models.config.run_config import ConfigError, load_config
@@ -67,6 +77,9 @@ def seed_checkpoint(tmp_path_factory):
     return make
 
 
+NCCL_RULES = {"PM_NCCL_RULES": "1"}
+"""A launch's environment for NCCL's point-to-point rules on gloo (``tools.nccl_rules``): the
+plugin takes its NCCL branches and a broken rule ends the run with one line."""
 VALIDATE_AT_END = ["--validator.enable", "--validator.freq", "3", "--validator.steps", "2"]
 """Validation after the last of tiny.toml's 3 steps, on 2 batches (what export tests compare)."""
 SAMPLE_PROMPTS = ["ROMEO:", "To be, or not"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, torchrun
+from conftest import NCCL_RULES, REPO, TINY, torchrun
 
 from protocol_models.cluster.fsdp_probe import FSDP_PROBE_ENV
 from protocol_models.cluster.plan import plan_stages
@@ -123,7 +123,8 @@ PP_FSDP = ["--parallelism.pipeline_parallel_degree", "2", "--codec.bits", "8",
 def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpoint):
     """The 8B layout scaled down: 4 processes, 2 pipeline stages x 2-way FSDP (each stage's
     parameters sharded over its 2 ranks), 8-bit wire, chunked loss, bf16 mixed precision, full
-    activation checkpointing, under the collective probe. From one seed checkpoint, every step's
+    activation checkpointing, under the collective probe and NCCL's point-to-point rules
+    (``NCCL_RULES``). From one seed checkpoint, every step's
     loss equals, to bf16 precision, the same layout's with each stage's parameters replicated on
     its 2 ranks instead of sharded (the same ranks read the same batches), and so does the
     gradient norm (FSDP on gloo reduces with SUM and divides: ``cpu_shim.gloo_fsdp_reductions``). Every group -- the FSDP axis's
@@ -142,7 +143,7 @@ def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpo
     seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_checkpoint(2))]
     sharded, output = torchrun(
         4, tmp_path / "fsdp", *PP_FSDP, *seed, "--parallelism.data_parallel_shard_degree", "2",
-        *timeouts, env=env, return_output=True,
+        *timeouts, env={**env, **NCCL_RULES}, return_output=True,
     )  # fmt: skip
     assert not log.exists(), log.read_text()
     assert "boundary 0 carries bfloat16" in output
@@ -165,7 +166,7 @@ def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpo
                          check_environment=False)  # fmt: skip
     fsdp = json.loads((tmp_path / "fsdp" / "fsdp_probe.json").read_text())
     assert [(r["stage"], r["ranks"], r["backend"], r["all_gathers_per_step"]) for r in fsdp] == [
-        (0, 2, "gloo", 1), (1, 2, "gloo", 1)]  # fmt: skip
+        (0, 2, "nccl", 1), (1, 2, "nccl", 1)]  # fmt: skip (gloo, reported as NCCL by the rules)
     for row, plan in zip(fsdp, plan_stages(config), strict=True):
         assert (row["all_gather_bytes"], row["reduce_scatter_bytes"]) == (2 * plan.params,
                                                                           4 * plan.params)

@@ -16,7 +16,15 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, assert_same_run, torchrun
+from conftest import (
+    NCCL_RULES,
+    REPO,
+    SAMPLES,
+    TINY,
+    VALIDATE_AT_END,
+    assert_same_run,
+    torchrun,
+)
 
 from protocol_models.config.run_config import load_config
 from protocol_models.model.boundary import BOUNDARIES
@@ -35,15 +43,26 @@ def test_pipelined_losses_equal_single_process(seeded_runs, stages):
     assert_same_run(single, piped, steps=TINY_STEPS)
 
 
-def test_schedules_agree(tmp_path, seed_checkpoint):
-    """GPipe and 1F1B run the same microbatches through the same stages: same losses."""
+def test_schedules_agree_under_nccl_rules(tmp_path, seed_checkpoint, seeded_runs):
+    """GPipe and 1F1B run the same microbatches through the same stages: same losses; under
+    NCCL's point-to-point rules (the NCCL path: a group per boundary and direction, receives
+    posted just in time, the batched norm exchange) GPipe equals the gloo path's run bit for bit,
+    validation and samples included, and 1F1B validates between two training steps (the
+    schedule switches to evaluation and back)."""
     seed = seed_checkpoint(2)
     load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
-    gpipe = torchrun(2, tmp_path / "gpipe", *load)
+    gpipe = torchrun(2, tmp_path / "gpipe", *load, *VALIDATE_AT_END, *SAMPLES, env=NCCL_RULES)
     one_f_one_b = torchrun(
-        2, tmp_path / "1f1b", *load, "--parallelism.pipeline_parallel_schedule", "1F1B"
-    )
+        2, tmp_path / "1f1b", *load, "--parallelism.pipeline_parallel_schedule", "1F1B",
+        "--validator.enable", "--validator.freq", "2", "--validator.steps", "2", env=NCCL_RULES,
+    )  # fmt: skip
     assert_same_run(gpipe, one_f_one_b, steps=TINY_STEPS)
+    gloo = seeded_runs(2)[1]
+    assert_same_run(gpipe, read_jsonl(gloo / "metrics.jsonl"), steps=TINY_STEPS, rtol=0)
+    validations = [read_jsonl(run / "validation.jsonl") for run in (tmp_path / "gpipe", gloo)]
+    loss = "validation_metrics/loss"
+    assert [r[loss] for r in validations[0]] == [r[loss] for r in validations[1]]
+    assert [r["step"] for r in read_jsonl(tmp_path / "1f1b" / "validation.jsonl")] == [1, 2]
 
 
 def test_quantized_coordinates_pipelined_equal_in_graph(tmp_path, seed_checkpoint):

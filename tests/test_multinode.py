@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, TINY, read_jsonl
+from conftest import REPO, TINY, fake_commands, read_jsonl
 
 from protocol_models.training.trainer import RankPlace, describe_placement, placement_problem
 
@@ -218,18 +218,13 @@ def test_slurm_nodes_are_numbered_in_the_order_given(tmp_path):
     arguments it prints): NODE_RANK follows the NODES file (else SLURM_HOSTFILE, else the sorted
     node names), the rendezvous is the first node, REGION comes from the file, never from the
     submitting shell."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fakes = {
+    bin_dir = fake_commands(tmp_path / "bin", {
         "scontrol": 'tr , "\\n" <<<"$3"',  # scontrol show hostnames n1,n2,...
         "srun": 'while [[ $1 == --* ]]; do shift; done\n'
         'for h in ${SLURM_JOB_NODELIST//,/ }; do SLURMD_NODENAME=$h "$@" || exit; done',
         "python": 'if [ "$2" = protocol_models.config ]; then printf "nproc=4\\ndevice=cuda\\n"; exit; fi\n'
         'echo "$SLURMD_NODENAME REGION=${REGION-unset}: $*"',
-    }  # fmt: skip
-    for name, body in fakes.items():
-        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
+    })  # fmt: skip
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
            "SLURM_JOB_NODELIST": "n1,n2,n3,n4", "SLURM_NNODES": "4", "SLURM_SUBMIT_DIR": str(REPO),
            "REGION": "from-the-submitting-shell"}  # fmt: skip

@@ -195,7 +195,8 @@ def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
     assert linked["collectives_s"] == pytest.approx(gather)
     assert linked["tokens_per_s"] == pytest.approx(2 * 8 * 16 / (fwd + bwd + gather))
     just_in_time = load_config(None, [*logged, "--transport.prepost_receives", "false",
-                                      "--transport.exchange_grad_norm", "false"],
+                                      "--transport.exchange_grad_norm", "false",
+                                      "--hardware.device", "cpu"],  # gloo: receiver-driven
                                check_environment=False)  # fmt: skip
     jit = predict_step(just_in_time, plans, 80.0, 50.0, mfu=0.5)
     link = w + 0.05
@@ -203,6 +204,12 @@ def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
     bwd = 3 * 2 * t + 2 * link + 3 * max(2 * t, 0.05 + link + 2 * t)
     all_reduce = 4 * 0.05
     assert jit["step_s"] == pytest.approx(fwd + bwd + all_reduce + gather)
+    # NCCL (a CUDA config): sender-driven over its sockets, a late receive costs nothing
+    on_nccl = load_config(None, [*logged, "--transport.prepost_receives", "false",
+                                 "--transport.exchange_grad_norm", "false"],
+                        check_environment=False)  # fmt: skip
+    nccl = predict_step(on_nccl, plans, 80.0, 50.0, mfu=0.5)
+    assert nccl["step_s"] == pytest.approx(linked["step_s"] + all_reduce)
 
 
 def test_async_step_has_no_fill_and_drain_but_at_flushes():
@@ -211,7 +218,8 @@ def test_async_step_has_no_fill_and_drain_but_at_flushes():
     M periods of ``max(T, (2 (L + x) + f + b) / d, x)``, plus, at the one flush of 100 steps (the
     last), the synchronous fill and drain (the log steps' gathers are not waited for)."""
     over = [*TINY, "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "100",
-            "--parallelism.pipeline_parallel_schedule", "Async1F1B", "--metrics.log_freq", "10"]  # fmt: skip
+            "--parallelism.pipeline_parallel_schedule", "Async1F1B", "--metrics.log_freq", "10",
+            "--hardware.device", "cpu"]  # fmt: skip
     config = load_config(None, over, check_environment=False)
     for plan, in_flight in zip(plan_stages(config), [3, 2, 1], strict=True):  # w_s + 1
         assert plan.memory["versions"] == 16 * plan.params

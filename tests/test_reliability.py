@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, read_jsonl, torchrun
+from conftest import NCCL_RULES, REPO, TINY, read_jsonl, torchrun
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 STREAMED = ["--dataloader.streaming"]  # the bundled corpus read as a stream: HF's resume state
@@ -54,7 +54,8 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
 
 def test_killed_worker_restarts_and_resumes_exactly(tmp_path, uninterrupted):
     """Killed after step 12, the run resumes from the step-10 checkpoint with the streamed data
-    at the exact next batch: every step's ids and loss equal an uninterrupted run's."""
+    at the exact next batch: every step's ids and loss equal an uninterrupted run's (which ran on
+    gloo's rules; this one under NCCL's, ``NCCL_RULES``)."""
 
     dump = tmp_path / "killed"
     cmd = [
@@ -63,8 +64,9 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path, uninterrupted):
         "--dump_folder", str(dump), "--training.steps", "20", *CKPT, *STREAMED,
     ]  # fmt: skip
     launcher = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **NCCL_RULES},
+    )  # fmt: skip
     killed: list[int] = []
 
     def kill_first_stage_after_step_12():

@@ -7,14 +7,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, VALIDATE_AT_END, torchrun
+from conftest import NCCL_RULES, REPO, TINY, VALIDATE_AT_END, torchrun
 
 from protocol_models.wire.message import MessageLayout
-from protocol_models.wire.stage import p2p_per_direction
+from protocol_models.wire.meter import WireMeter, mark
 from protocol_models.wire.transport import bdp_bytes, tcp_advice, tcp_fixes
 
 # tests/tiny.toml: 4 microbatches per step (local_batch_size 4, microbatch 1)
@@ -22,18 +23,19 @@ N_MB = 4
 COMPARED = ("loss", "grad_norm", "wire/fwd_bytes", "wire/bwd_bytes", "wire/messages")
 
 
-@pytest.mark.parametrize(  # each schedule once and each wire once: they are independent axes
-    ("schedule", "wire"), [("GPipe", "8-bit"), ("1F1B", "exact")]
+@pytest.mark.parametrize(  # each schedule, wire and backend's rules once: independent axes
+    ("schedule", "wire", "rules"), [("GPipe", "8-bit", "gloo"), ("1F1B", "exact", "nccl")]
 )
-def test_preposted_receives_equal_just_in_time(tmp_path, schedule, wire):
+def test_preposted_receives_equal_just_in_time(tmp_path, schedule, wire, rules):
     """3 stages (the middle one pre-posts both directions): the same losses, gradient norms,
     bytes and messages, bit for bit, whether a step's receives are all posted at its start or
     each just before its compute (as torch's schedules do); 8-bit coordinates send codes and
-    scales as one message."""
+    scales as one message. The 1F1B runs obey NCCL's point-to-point rules (``NCCL_RULES``)."""
     over = ["--parallelism.pipeline_parallel_schedule", schedule]
     over += ["--codec.bits", "8"] if wire == "8-bit" else []
+    env = NCCL_RULES if rules == "nccl" else None
     runs = {
-        on: torchrun(3, tmp_path / on, *over, "--transport.prepost_receives", on)
+        on: torchrun(3, tmp_path / on, *over, "--transport.prepost_receives", on, env=env)
         for on in ("true", "false")
     }
     for key in COMPARED:
@@ -47,9 +49,11 @@ def test_exchanged_gradient_norm_equals_the_all_reduce(tmp_path):
     """At 3 stages the norm summed from exchanged messages in stage order is TorchTitan's
     all-reduced norm to float rounding (another summation order; at 2 stages, one addition, bit
     for bit: ``test_exchanged_norm_is_bit_exact_at_two_stages``); the metrics rows that travel
-    with it log what the all-gathered rows log."""
+    with it log what the all-gathered rows log. The exchange runs under NCCL's rules (its
+    batched form, ``NCCL_RULES``)."""
     runs = {
-        on: torchrun(3, tmp_path / on, "--transport.exchange_grad_norm", on)
+        on: torchrun(3, tmp_path / on, "--transport.exchange_grad_norm", on,
+                     env=NCCL_RULES if on == "true" else None)  # fmt: skip
         for on in ("true", "false")
     }
     for key in ("loss", "grad_norm"):
@@ -176,10 +180,31 @@ def test_message_layout_packs_parts_at_aligned_offsets():
     assert single.direct and single.pack([codes]) is codes
 
 
-def test_nccl_preposting_uses_per_direction_communicators():
-    assert p2p_per_direction("nccl", prepost=True)
-    assert not p2p_per_direction("nccl", prepost=False)
-    assert not p2p_per_direction("gloo", prepost=True)
+def test_waits_on_cuda_are_read_from_stream_events():
+    """On CUDA a receive's ``wait()`` returns at once and the compute stream waits: the meter
+    sums the stream's stall between the two events around each wait (synchronizing on the last
+    one when read), never the host time; on CPU it sums host times."""
+
+    class Event:  # what ``torch.cuda.Event`` offers the meter
+        def __init__(self, ms: float):
+            self.ms, self.synchronized = ms, False
+
+        def synchronize(self) -> None:
+            self.synchronized = True
+
+        def elapsed_time(self, end: Event) -> float:
+            assert end.synchronized, "read before the stream reached it"
+            return end.ms - self.ms
+
+    meter = WireMeter(dim=64)
+    meter.waited("fwd", 0, Event(10.0), Event(35.0))
+    meter.waited("fwd", 0, Event(50.0), Event(52.5))
+    meter.waited("bwd", 0, 1.0, 1.75)
+    assert meter.wait_seconds(("fwd", 0)) == pytest.approx(0.0275)
+    assert meter.wait_seconds(("bwd", 0)) == pytest.approx(0.75)
+    assert mark(torch.device("cpu")) <= time.time()
+    meter.reset()
+    assert meter.wait_seconds(("fwd", 0)) == 0
 
 
 def _sysctl_tree(root: Path, **values: str) -> Path:
@@ -239,15 +264,18 @@ def test_config_check_prints_the_tcp_line_for_a_stated_link():
     assert lines == ([advice] if advice else [])
 
 
-def test_p2p_check_runs_both_kinds_of_round_trip_over_gloo():
+def test_p2p_check_runs_both_kinds_of_round_trip_under_nccl_rules():
     """``scripts/p2p_check.py`` (the receiver- vs sender-driven check a user runs on two GPUs)
-    completes over gloo between two local processes and reports both round trips per size; on
-    one machine the latency is too small for its verdict to mean anything, so only its shape is
-    checked here (the verdict on the real shaped link is in results/README.md)."""
+    completes between two local processes over gloo under NCCL's point-to-point rules for its
+    device-bound group (``tests/with_nccl_rules.py``, ``PM_NCCL_RULES=bound``) and reports both
+    round trips per size; on one machine the latency is too small for its verdict to mean
+    anything, so only its shape is checked here (the verdict on the real shaped link is in
+    results/README.md)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "scripts" / "p2p_check.py"), "--backend", "gloo", "--sizes", "1", "4096",
-           "--trials", "2", "--gap", "0.05"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+           str(REPO / "tests" / "with_nccl_rules.py"), str(REPO / "scripts" / "p2p_check.py"),
+           "--backend", "gloo", "--sizes", "1", "4096", "--trials", "2", "--gap", "0.05"]  # fmt: skip
+    env = {**os.environ, "PM_NCCL_RULES": "bound", "PM_NCCL_RULES_WAIT_S": "5"}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["backend"] == "gloo" and report["driven"] in ("receiver", "sender")

@@ -72,26 +72,31 @@ queued back to back overlap their latencies, as ``protocol_models.wire.link`` si
 default) every receive is posted before its message is sent, so a pass over servers with
 per-microbatch times ``t_i`` takes ``sum(stage t_i) + links (w + L) + (M - 1) max(t_i, w)``:
 with no link and equal stages ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
-Without pre-posting, gloo's receiver-driven transport has a stage post its next receive only
-after computing the previous microbatch, and the sender writes only once that receive's notice
-crossed the link, so a link and the stage it feeds serve a microbatch together in ``L + w + L +
-the stage's compute`` (``wire.link.rendezvous_period``). Step = forward pass + backward pass
-(1F1B has the same bubble and is predicted alike) + the collectives across the pipeline: none
-with ``[transport] exchange_grad_norm`` (the norm's exchange overlaps the next step's fill, and
-a log step's metrics travel with it unless a loss is reduced over data- or context-parallel
-replicas or MAPL's boundary sync runs, when they take one all-gather of ``S - 1`` latency rounds
-every ``log_freq`` steps); without it,
-TorchTitan's gradient-norm all-reduce, ``2 (S - 1)`` rounds, and the all-gather every log step
-(``wire.meter.ring_rounds``); plus, for a method whose boundary stages exchange weights'
-gradients before the optimizer step (MAPL: ``sync_bytes``), one transfer of the larger
-direction, every boundary at once. The prediction is printed as its terms: ``compute`` (``M``
-times the slowest stage's per-microbatch forward, and backward), ``bubble`` (the other stages'
-share of the passes: the pipeline's fill and drain), ``latency`` (the fill and drain's ``2 (S -
-1) L``), ``bytes`` (serialization: each pass's first message per link, and a link slower than
-every stage) and ``collectives``. FSDP's collectives inside a region and the optimizer step are
-not counted.
+Without pre-posting, gloo's receiver-driven transport (a CPU config) has a stage post its next
+receive only after computing the previous microbatch, and the sender writes only once that
+receive's notice crossed the link, so a link and the stage it feeds serve a microbatch together
+in ``L + w + L + the stage's compute`` (``wire.link.rendezvous_period``). NCCL (a CUDA config)
+over its socket transport (by NCCL's source; not yet measured on GPUs) pushes a message onto its
+TCP connection without waiting for the
+receive (``ncclNetSocketIsend``), so a receive posted late costs nothing there and the
+pre-posted model applies either way; its norm exchange, one batch of sends and receives at the
+clipping (``wire.norm_exchange``), overlaps the next step's fill as the pre-posted one does.
+Step = forward pass + backward pass (1F1B has the same bubble and is predicted alike) + the
+collectives across the pipeline: none with ``[transport] exchange_grad_norm`` (the norm's exchange
+overlaps the next step's fill, and a log step's metrics travel with it unless a loss is reduced
+over data- or context-parallel replicas or MAPL's boundary sync runs, when they take one all-gather
+of ``S - 1`` latency rounds every ``log_freq`` steps); without it, TorchTitan's gradient-norm
+all-reduce, ``2 (S - 1)`` rounds, and the all-gather every log step (``wire.meter.ring_rounds``);
+plus, for a method whose boundary stages exchange weights' gradients before the optimizer step
+(MAPL: ``sync_bytes``), one transfer of the larger direction, every boundary at once. The
+prediction is printed as its terms: ``compute`` (``M`` times the slowest stage's per-microbatch
+forward, and backward), ``bubble`` (the other stages' share of the passes: the pipeline's fill and
+drain), ``latency`` (the fill and drain's ``2 (S - 1) L``), ``bytes`` (serialization: each pass's
+first message per link, and a link slower than every stage) and ``collectives``. FSDP's collectives
+inside a region and the optimizer step are not counted.
 
-Next to it, every column predicts the ``Async1F1B`` step (``predict_async_step``): no fill and
+Next to it, every column predicts the ``Async1F1B`` step where the config check allows it (not
+on NCCL, a CUDA config: ``n/a`` and the reason) (``predict_async_step``): no fill and
 drain in steady state, one microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` per
 stage, where ``d`` is the hop depth (the configured one under ``Async1F1B``, else the smallest
 that hides the round trip, at most what the microbatches allow) -- a depth too small for the link
@@ -458,7 +463,7 @@ def predict_step(
         terms["compute_s"] += n_mb * slowest
         terms["bubble_s"] += sum(stage_seconds) - slowest
         terms["latency_s"] += links * latency
-        if transport.prepost_receives:
+        if transport.prepost_receives or config.hardware.device == "cuda":  # NCCL: sender-driven
             terms["bytes_s"] += links * wire + (n_mb - 1) * max(0.0, wire - slowest)
             return
         periods = [rendezvous_period(wire + latency, latency, t) for t in stage_seconds[1:]]

@@ -2,9 +2,9 @@
 
 The data (every part the run reads opens and holds text), the tokenizer (present, fits
 ``model.vocab_size``, names an EOS token), a writable dump folder, a wandb API key when wandb
-logs online, the C compiler and Python headers flex attention compiles with and, when the run
-would resume, a checkpoint of this model's shapes. Each failure
-is one ``ConfigError`` line.
+logs online, the C compiler and Python headers flex attention compiles with, a GPU whose shared
+memory fits the flex kernel Inductor would build and, when the run would resume, a checkpoint
+of this model's shapes. Each failure is one ``ConfigError`` line.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     from protocol_models import DEVICE_TYPE
     from protocol_models.data import corpus
     from protocol_models.data import loader as data
-    from protocol_models.tools import cpu_shim
+    from protocol_models.tools import cpu_shim, nccl_rules
 
     cpu_shim.check_device(config.hardware.device, DEVICE_TYPE)
+    nccl_rules.mode()  # a bad PM_NCCL_RULES is one line here, not in every worker
     if config.protocol.basis_file:
         read_basis(config.protocol.basis_file, config.model.dim, config.protocol.k)
     pending = data.bundled_data_pending(config)
@@ -43,6 +44,7 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     _check_writable(config.dump_folder)
     if config.model.attention == "flex":
         check_flex_toolchain()
+        check_flex_shared_memory(config)
     if config.metrics.enable_wandb:
         check_wandb_key()
     _check_resumable(config)
@@ -149,6 +151,103 @@ def check_flex_toolchain(env=os.environ, include: str | None = None) -> None:
         f"against Python's headers: no Python.h in {include}; install them (e.g. apt install "
         f"python{sysconfig.get_python_version()}-dev)",
     )
+
+
+SMALL_SHARED_MEMORY = 101376
+"""Opt-in shared memory per block, in bytes, of the sm_86/sm_89/sm_120 cards (L4, A10, A40,
+RTX 3090/4090/5090): 99 KB. Inductor's default flex forward kernel for sm_8x at bf16 and
+head_dim 128 (``BLOCK_M`` 128, ``BLOCK_N`` 64, ``num_stages`` 3, 8 warps) needs ~128 KB: the Q
+tile, 128 x 128 x 2 bytes, plus 3 stages of a K and a V tile, 3 x 2 x 64 x 128 x 2 bytes, the
+131074 bytes of pytorch/pytorch#133254 on a 4090. At 2 stages it needs 96 KB and fits, which is
+Inductor's own default for sm_120 (also 99 KB); at max-autotune Inductor benchmarks several tile
+configs and skips those that do not fit."""
+
+FLEX_TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "num_stages")
+"""``kernel_options`` keys (bare, or ``fwd_``-prefixed) that pin the flex forward kernel's tiles
+(``torch/_inductor/kernel/flex/flex_attention.py``), replacing Inductor's default ones."""
+
+
+def flex_max_autotune(config: ProtocolTrainer.Config, env=os.environ) -> tuple[bool, str]:
+    """Whether Inductor builds this run's flex kernels at max-autotune, and the settings that
+    decide it, as a clause for a message. ``[compile]`` on the model at backend ``inductor``
+    compiles each block whole: flex is then lowered inside the block with the block's Inductor
+    settings, at max-autotune only with ``TORCHINDUCTOR_MAX_AUTOTUNE=1`` (the nested
+    ``torch.compile`` of TorchTitan's ``FlexAttention`` and its options do not apply). Otherwise
+    (no model compile, or ``aot_eager``, whose flex region TorchTitan hands to Inductor) flex
+    compiles with TorchTitan's ``FlexAttention.inductor_configs``: max-autotune in 0.3.0."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    if _blocks_compiled_by_inductor(config):
+        value = env.get("TORCHINDUCTOR_MAX_AUTOTUNE")
+        shown = "unset" if value is None else f"= {value!r}"
+        return value == "1", (
+            'compile.enable = true (backend "inductor") compiles each block whole, flex inside '
+            f"it without max-autotune (TORCHINDUCTOR_MAX_AUTOTUNE {shown})"
+        )
+    return bool(FlexAttention.inductor_configs.get("max_autotune")), (
+        "TorchTitan's FlexAttention.inductor_configs has max_autotune off"
+    )
+
+
+def _blocks_compiled_by_inductor(config: ProtocolTrainer.Config) -> bool:
+    compile_ = config.compile
+    return compile_.enable and "model" in compile_.components and compile_.backend == "inductor"
+
+
+def flex_kernel_options(config: ProtocolTrainer.Config) -> list[dict]:
+    """The ``kernel_options`` of each block's flex attention, as the run builds the model."""
+    from protocol_models.model.model import build_model_config
+
+    model = build_model_config(config.model, config.protocol, config.layout_stages)
+    return [dict(block.attention.inner_attention.kernel_options) for block in model.layers]
+
+
+def visible_gpus() -> list:
+    """``torch.cuda.get_device_properties`` of each GPU this process sees (none without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+
+
+def check_flex_shared_memory(config: ProtocolTrainer.Config, env=os.environ, gpus=None) -> None:
+    """Flex attention on a GPU with at most 99 KB of shared memory per block
+    (``SMALL_SHARED_MEMORY``: the L4) needs Inductor at max-autotune (``flex_max_autotune``) or
+    the forward kernel's tiles pinned in every block's ``kernel_options`` (any of
+    ``FLEX_TILE_OPTIONS``: the user's choice is trusted): Inductor's default forward kernel does
+    not fit, and the first forward of every worker would fail with "out of resource: shared
+    memory" after the GPUs were allocated. ``gpus``: the probe (default ``visible_gpus``), a
+    function returning each visible GPU's properties (``name``, ``shared_memory_per_block_optin``),
+    called only when the settings alone do not rule the failure out."""
+    if config.model.attention != "flex" or config.hardware.device != "cuda":
+        return
+    autotune, settings = flex_max_autotune(config, env)
+    if autotune:
+        return
+    tiles = set(FLEX_TILE_OPTIONS)
+    options = flex_kernel_options(config)
+    if options and all(tiles & {key.removeprefix("fwd_") for key in o} for o in options):
+        return
+    for index, gpu in enumerate((gpus or visible_gpus)()):
+        limit = gpu.shared_memory_per_block_optin
+        if limit > SMALL_SHARED_MEMORY:
+            continue
+        if _blocks_compiled_by_inductor(config):
+            fix = (
+                "set TORCHINDUCTOR_MAX_AUTOTUNE=1 on every node (a longer first compile), "
+                'compile.backend = "aot_eager" (flex keeps max-autotune) or compile.enable = false'
+            )
+        else:
+            fix = (
+                "turn it back on, or pin kernel_options that fit: BLOCK_M = 128, BLOCK_N = 64, "
+                "num_stages = 2, num_warps = 8 (Inductor's default on 99 KB sm_120 cards)"
+            )
+        raise ConfigError(
+            f'model.attention = "flex": {settings} and no kernel_options pin its tiles, and '
+            "Inductor's default flex kernel (~128 KB of shared memory per block at bf16, "
+            f"head_dim 128) does not fit GPU {index} ({gpu.name}: {limit} bytes); {fix}"
+        )
 
 
 def _check_writable(dump_folder: str) -> None:

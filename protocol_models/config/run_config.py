@@ -44,6 +44,7 @@ from protocol_models.config.toml_tables import (
 )
 from protocol_models.config.torchtitan_ranges import TORCHTITAN_RANGES
 from protocol_models.model.layout import stage_layer_ranges
+from protocol_models.tools import nccl_rules
 from protocol_models.tools.errors import ConfigError, require
 from protocol_models.tools.ranges import OneOf
 from protocol_models.training.checkpointing import ProtocolCheckpointManager
@@ -236,6 +237,12 @@ def check_async(config: ProtocolTrainer.Config) -> None:
     with the reason."""
     par, protocol, training = config.parallelism, config.protocol, config.training
     pp, name = par.pipeline_parallel_degree, "parallelism.pipeline_parallel_schedule = 'Async1F1B'"
+    nccl = config.hardware.device == "cuda" or nccl_rules.enabled()
+    require(
+        pp == 1 or not nccl,
+        f"{name} runs on CPU (gloo) only: on NCCL its batched sends and its pre-posted single "
+        "receives would run on different communicators, which never match; use GPipe or 1F1B",
+    )
     for key in ("data_parallel_replicate_degree", "data_parallel_shard_degree",
                 "tensor_parallel_degree", "context_parallel_degree"):  # fmt: skip
         value = getattr(par, key)

@@ -173,10 +173,12 @@ class CheckpointTensors:
                 )
         for name, held in chunks.items():
             stored = sum(math.prod(sizes) for _, sizes in held)
-            if stored < math.prod(self.info[name].shape):
+            whole = math.prod(self.info[name].shape)
+            if stored < whole:
                 raise UserError(
-                    f"{self.where}: {name} is only partly stored in these folders; copy every "
-                    "node's node-* folder into the checkpoint folder"
+                    f"{self.where}: {name} is only partly stored in these folders ({stored} of "
+                    f"its {whole} elements); copy every node's node-* folder of the run into the "
+                    "checkpoint folder"
                 )
 
     def table_sha256(self) -> bytes | None:

@@ -13,6 +13,14 @@ Each node folder holds its ranks' shards plus its own copy of the replicated ent
 resumes from its own disk. The node folders never collide: copied into one checkpoint folder they
 form the whole run, which ``protocol_models.export`` reads (``checkpoint_files``).
 
+A pipeline stage's FSDP group may span nodes (the 8B layout: a stage on two nodes of 8 GPUs), so
+a node holds only its ranks' chunks of a sharded tensor. DCP's default save planner requires the
+chunks of one save to cover every tensor whole; ``NodeSavePlanner`` instead checks what a node's
+checkpoint guarantees (every chunk the node's ranks hold written exactly once, inside the tensor,
+no two overlapping), so a node's ``.metadata`` lists its own chunks only. ``NodeLoadPlanner``
+checks before reading that every rank's entries and chunks are in its node's folder (true when the
+resume has the layout that saved): DCP's default load would leave a chunk it lacks unread.
+
 Without ``per_node``, a run of several nodes checks at start-up that the checkpoint folder is one
 folder every node sees, and stops with one line if it is not. Before loading, every rank
 reports the complete steps it sees and all resume from the latest step every rank has; a rank
@@ -22,14 +30,32 @@ replaced).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
+from collections import ChainMap, Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import (
     DATALOADER,
     LR_SCHEDULER,
@@ -123,6 +149,157 @@ def shared_folder_problem(folder: str) -> str | None:
     if all(v == nodes for v in views.values()):
         return None
     return "; ".join(f"node {n} sees the files of node(s) {v}" for n, v in sorted(views.items()))
+
+
+def _inside(size: torch.Size, chunk: ChunkStorageMetadata) -> bool:
+    return all(
+        0 <= o and 0 <= n and o + n <= d
+        for o, n, d in zip(chunk.offsets, chunk.sizes, size, strict=True)
+    )
+
+
+def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    return all(
+        ao < bo + bn and bo < ao + an
+        for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+    )
+
+
+def node_plan_problems(all_plans: list[SavePlan], metadata: Metadata) -> list[str]:
+    """What is wrong with a node's global save plan (empty: nothing): a chunk one of the node's
+    ranks holds that the metadata does not list, a chunk listed twice, out of the tensor's bounds
+    or overlapping another. Unlike DCP's check, the chunks need not cover the tensor: the node's
+    ranks may hold part of it only (an FSDP group that spans nodes)."""
+    problems: list[str] = []
+    listed: Counter[tuple[str, tuple[int, ...], tuple[int, ...]]] = Counter()
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        for chunk in md.chunks:
+            listed[key, tuple(chunk.offsets), tuple(chunk.sizes)] += 1
+            if not _inside(md.size, chunk):
+                problems.append(f"{key}: chunk {chunk} outside the tensor's size {list(md.size)}")
+        chunks = [c for c in md.chunks if math.prod(c.sizes) > 0 and len(c.sizes) > 0]
+        for i, a in enumerate(chunks):
+            problems += [
+                f"{key}: chunks {a} and {b} overlap" for b in chunks[i + 1 :] if _overlap(a, b)
+            ]
+    problems += [
+        f"{key}: chunk at {off} listed {n} times" for (key, off, _), n in listed.items() if n > 1
+    ]
+    for plan in all_plans:
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                if item.index.fqn not in metadata.state_dict_metadata:
+                    problems.append(f"{item.index.fqn}: not written")
+                continue
+            chunk = item.tensor_data.chunk
+            if (
+                chunk is None
+                or (item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes)) not in listed
+            ):
+                problems.append(f"{item.index.fqn}: a rank's chunk {chunk} not written")
+    return problems
+
+
+class NodeSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner with the global-plan check a node's checkpoint can pass
+    (``node_plan_problems``) instead of DCP's, which also requires every tensor whole. Overrides
+    the private ``DefaultSavePlanner._create_global_plan`` of torch 2.14 (the same steps: dedup
+    the replicated entries, merge the plans, attach the flattening's mapping, check)."""
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        global_plan, metadata = create_default_global_save_plan(self._dedup_save_plans(all_plans))
+        if self.flatten_state_dict:
+            merged = dict(ChainMap(*(p.planner_data for p in global_plan)))
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+        problems = node_plan_problems(all_plans, metadata)
+        if problems:
+            summary = "; ".join(problems)
+            raise ValueError(f"node checkpoint: invalid global plan: {summary[:500]}")
+        return global_plan, metadata
+
+
+class NodeCheckpointLacks(Exception):
+    """What ``NodeLoadPlanner`` raises on every rank when some rank's node checkpoint lacks what
+    that rank needs; ``str(e)`` is one line (DCP wraps it in a ``CheckpointException``)."""
+
+
+class NodeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that first checks, on every rank of every node, that the rank's
+    entries and all of its chunks are in its node's checkpoint: DCP reads the saved chunks that
+    overlap a rank's and silently leaves the rest, so a resume with another layout than the saved
+    one (another split of the FSDP shards over the nodes) would train from partly loaded state.
+    A collective over the world (every rank plans its load at the same point); when any rank
+    lacks something, every rank raises the same ``NodeCheckpointLacks`` and keeps it in
+    ``refusal``."""
+
+    def __init__(self, checkpoint_id: str) -> None:
+        super().__init__()
+        self.checkpoint_id = checkpoint_id
+        self.refusal: str | None = None
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        absent = [fqn for fqn in self.state_dict if fqn not in saved]
+        plan, short, error = LoadPlan([]), [], None
+        if not absent:
+            try:
+                plan = super().create_local_plan()
+            except (RuntimeError, ValueError) as e:  # e.g. "Size mismatch between saved ..."
+                error = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            else:
+                short = self._short_of(plan)
+        report = None
+        if absent or short or error:
+            report = (dist.get_rank(), this_node(), self.checkpoint_id, absent, short, error)
+        reports: list = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+        if any(reports):
+            self.refusal = lacks_line(reports)
+            raise NodeCheckpointLacks(self.refusal)
+        return plan
+
+    def _short_of(self, plan: LoadPlan) -> list[tuple[str, int, int]]:
+        """``(name, elements read, elements held)`` of this rank's tensors whose saved chunks do
+        not cover the rank's own (the chunks of one save never overlap: their sizes add up)."""
+        read: Counter[str] = Counter()
+        for item in plan.items:
+            if item.type == LoadItemType.TENSOR:
+                read[item.dest_index.fqn] += math.prod(item.lengths)
+        short = []
+        for fqn, obj in self.state_dict.items():
+            if not isinstance(self.metadata.state_dict_metadata[fqn], TensorStorageMetadata):
+                continue
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue  # not on this rank's mesh: DCP reads nothing for it either
+            held = sum(math.prod(c.sizes) for c in _create_chunk_list(obj))
+            if read[fqn] < held:
+                short.append((fqn, read[fqn], held))
+        return short
+
+
+def lacks_line(reports: list) -> str:
+    """One line from the ranks' ``NodeLoadPlanner`` reports (None: that rank has everything)."""
+    bad = [r for r in reports if r]
+    rank, node, where, absent, short, error = bad[0]
+    if error:
+        what = error
+    elif absent:
+        more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+        what = f"entry {absent[0]}{more} not in it"
+    else:
+        fqn, read, held = short[0]
+        more = f"; {len(short) - 1} more tensors short" if len(short) > 1 else ""
+        what = f"{fqn}: {read} of the rank's {held} elements in it{more}"
+    ranks = ", ".join(str(r[0]) for r in bad)
+    return (
+        f"checkpoint {where!r} lacks what rank {rank} (node {node}) needs ({what}; ranks lacking "
+        f"something: {ranks}): a per-node checkpoint holds its node's own chunks only, and this "
+        "one was written with another layout (node count or order, [parallelism] degrees, "
+        "pipeline split); resume with the layout that wrote it"
+    )
 
 
 class ProtocolCheckpointManager(CheckpointManager):
@@ -219,12 +396,22 @@ class ProtocolCheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ):
-        if self.node_group is None or async_mode != AsyncMode.DISABLED or to_hf:
+        if self.node_group is None or to_hf:
             return super().dcp_save(
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
+        # TorchTitan's calls, with the node's group and a planner a node's checkpoint passes
+        save = {"checkpoint_id": checkpoint_id, "process_group": self.node_group,
+                "planner": NodeSavePlanner()}  # fmt: skip
+        if async_mode == AsyncMode.ASYNC:
+            return dcp.async_save(state_dict, **save)
+        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            return dcp.async_save(
+                state_dict, **save, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )  # fmt: skip
         with torch.no_grad():
-            dcp.save(state_dict, checkpoint_id=checkpoint_id, process_group=self.node_group)
+            dcp.save(state_dict, **save)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return None
@@ -238,7 +425,16 @@ class ProtocolCheckpointManager(CheckpointManager):
     ) -> None:
         if self.node_group is None or from_hf:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        dcp.load(state_dict, checkpoint_id=checkpoint_id, process_group=self.node_group)
+        planner = NodeLoadPlanner(checkpoint_id)
+        try:
+            dcp.load(
+                state_dict, checkpoint_id=checkpoint_id, process_group=self.node_group,
+                planner=planner,
+            )  # fmt: skip
+        except CheckpointException:
+            if planner.refusal is None:
+                raise
+            raise StartupError(planner.refusal) from None
         if MODEL in self.states:  # TorchTitan flattens the model's entries into state_dict
             self.states[MODEL].load_state_dict(state_dict)
         return None

@@ -382,7 +382,7 @@ class _StageRow:
         values = [peak, float(sum(meter.collectives.values())), float(meter.collective_rounds)]
         values += [float(getattr(meter, c)[b]) for c in self.COUNTERS for b in self.boundaries]
         values += [float(meter.messages[key]) for key in self.keys]
-        values += [meter.wait_s[key] for key in self.keys]
+        values += [meter.wait_seconds(key) for key in self.keys]
         values += [link.wait_s, link.wire_s, link.collective_s] if link else [0.0, 0.0, 0.0]
         head = torch.tensor(values, dtype=torch.float64, device=device)
         no_leak = torch.full((1,), -1.0, dtype=torch.float64, device=device)

@@ -61,6 +61,7 @@ from protocol_models.training.samples import sample_at_validation
 from protocol_models.training.stall_watch import StallWatch
 from protocol_models.wire import Wire
 from protocol_models.wire.async_schedule import ASYNC_SCHEDULE
+from protocol_models.wire.boundary_groups import follows_nccl
 from protocol_models.wire.codecs import CodecSettings
 from protocol_models.wire.link import LinkSettings
 from protocol_models.wire.norm_exchange import NormExchange
@@ -209,7 +210,8 @@ class ProtocolTrainer(Trainer):
             group = self.parallel_dims.get_mesh("pp").get_group()
             ranks = dist.get_process_group_ranks(group)
             self.norm_exchange = NormExchange(ranks, self.device, self.wire.meter, self.wire.link,
-                                              timeout=init_timeout(config))  # fmt: skip
+                                              timeout=init_timeout(config),
+                                              batched=follows_nccl(group))  # fmt: skip
         self._steps_run = 0
         """Steps this process has trained (a resumed run starts again at 0)."""
         self.delayed = self._delayed_updates()
@@ -311,8 +313,12 @@ class ProtocolTrainer(Trainer):
 
     def plugin_groups(self) -> list[dist.ProcessGroup]:
         """The process groups the plugin creates (the gradient-norm exchange's, MAPL's boundary
-        sync's): TorchTitan's timeout changes do not reach them."""
+        sync's, the stages' boundary groups on NCCL): TorchTitan's timeout changes do not reach
+        them."""
         groups = self.norm_exchange.groups if self.norm_exchange is not None else []
+        for stage in self.wire.stages:
+            if stage.boundary_groups is not None:
+                groups = groups + stage.boundary_groups.all()
         sync = self.optimizers.boundary_sync
         return groups + ([sync.group] if sync is not None and sync.group is not None else [])
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from protocol_models.model.boundary import BOUNDARIES
 from protocol_models.wire.codecs import CODECS, Codec, build_codec
@@ -55,6 +56,9 @@ class Wire:
     prepost: bool = True
     async_hop: int = 1
     """The ``Async1F1B`` schedule's hop depth (``[transport] async_hop_depth``)."""
+    timeout: timedelta | None = None
+    """The start-up timeout of the groups the wire creates (``[comm] init_timeout_seconds``;
+    the trainer sets the train timeout after the first step)."""
     stages: list = field(default_factory=list)
     """The ``wire.stage.WirePipelineStage`` objects of this rank (not imported here: the stage
     module imports this one)."""
@@ -76,6 +80,7 @@ class Wire:
             link=SimulatedLink(config.wan) if config.wan.enabled else None,
             prepost=config.transport.prepost_receives,
             async_hop=config.transport.async_hop_depth,
+            timeout=timedelta(seconds=config.comm.init_timeout_seconds),
         )
 
 

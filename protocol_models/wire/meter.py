@@ -3,12 +3,15 @@ and direction, and the collectives that cross the pipeline's links.
 
 Boundary ``b`` sits between stage ``b`` and stage ``b + 1``. Each stage counts what it sends
 (bytes, messages), how long it waited for what it received (from posting the receive to
-holding the data) and the collectives it joined over the pipeline group;
+holding the data: host time on CPU; on CUDA, where the host does not wait, the stall of the
+compute stream between two CUDA events, ``mark``) and the collectives it joined over the
+pipeline group;
 ``protocol_models.training.metrics`` agrees the counters over the pipeline group at every log step.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -34,10 +37,12 @@ class WireMeter:
     (``protocol_models.training.mapl_sync``), apart from the activations."""
     messages: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     """Messages sent, per (direction, boundary): one per microbatch and direction."""
-    wait_s: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))
-    """Seconds this stage was blocked waiting for the messages it received, per (direction,
-    boundary): in the pre-posted receive's wait, or (just in time) from posting to holding the
-    data. Host time: on CUDA a wait is queued on the device and the host is rarely blocked."""
+    waits: dict[tuple[str, int], list[tuple[Mark, Mark]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    """When this stage began and ended waiting for each message it received, per (direction,
+    boundary): around the pre-posted receive's wait, or (just in time) from posting to holding
+    the data (``mark``: host times on CPU, CUDA events on CUDA; ``wait_seconds``)."""
     collectives: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Collectives over the pipeline group this stage joined, by what they were for."""
     collective_rounds: int = 0
@@ -60,10 +65,15 @@ class WireMeter:
             wide = (*tensor.shape[:-1], self.dim)
             self.dense[boundary] += message_bytes("dense", wide, tensor.dtype, direction, k=0)
 
-    def waited(self, direction: str, boundary: int, seconds: float) -> None:
-        """This stage was blocked ``seconds`` waiting for a ``direction`` message over
-        ``boundary``."""
-        self.wait_s[(direction, boundary)] += seconds
+    def waited(self, direction: str, boundary: int, began: Mark, ended: Mark) -> None:
+        """This stage waited from ``began`` to ``ended`` (``mark``) for a ``direction`` message
+        over ``boundary``."""
+        self.waits[(direction, boundary)].append((began, ended))
+
+    def wait_seconds(self, key: tuple[str, int]) -> float:
+        """Seconds waited for the (direction, boundary) ``key``'s messages since ``reset``; on
+        CUDA this synchronizes with the last of their events (read on log steps only)."""
+        return sum(elapsed(began, ended) for began, ended in self.waits[key])
 
     def collective(self, purpose: str, rounds: int) -> None:
         """This stage joined one collective over the pipeline group, of ``rounds`` latency
@@ -72,10 +82,32 @@ class WireMeter:
         self.collective_rounds += rounds
 
     def reset(self) -> None:
-        for counter in (self.fwd, self.bwd, self.dense, self.sync, self.messages, self.wait_s,
+        for counter in (self.fwd, self.bwd, self.dense, self.sync, self.messages, self.waits,
                         self.collectives):  # fmt: skip
             counter.clear()
         self.collective_rounds = 0
+
+
+Mark = float | torch.cuda.Event
+"""A moment on a device's clock (``mark``)."""
+
+
+def mark(device: torch.device) -> Mark:
+    """Now, as ``device`` waits: the host time on CPU; on CUDA an event recorded on the current
+    stream (a receive's ``wait()`` there returns at once and makes the stream wait)."""
+    if device.type != "cuda":
+        return time.time()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed(began: Mark, ended: Mark) -> float:
+    """Seconds from ``began`` to ``ended`` (two ``mark``s of one device)."""
+    if isinstance(began, float):
+        return ended - began
+    ended.synchronize()
+    return began.elapsed_time(ended) / 1e3
 
 
 def ring_rounds(kind: str, ranks: int) -> int:

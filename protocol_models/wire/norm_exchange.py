@@ -18,9 +18,20 @@ Each message is ``[n_s^2, clock, row...]`` in float64 (the squared norm's own dt
 exactly); ``clock`` is the sender's time for the link simulator, which delays each value by its
 latency. On a log step the stage's metrics row (``metrics._StageRow``) rides along, so the log
 step needs no collective of its own: every stage then holds every stage's row (``rows``).
-Messages to higher-ranked stages travel on one group, to lower-ranked on another: NCCL runs a
-communicator's operations in the order they were issued, and a receive posted at the step's start
-on a communicator shared with the send to the same peer would wait for ever.
+Messages to higher-ranked stages travel on one group, to lower-ranked on another (gloo).
+
+On NCCL (``batched``) nothing is posted ahead: a receive pre-posted at the step's start would be
+the first op on its communicator, which NCCL creates (and connects) only when the sender joins it
+-- at its clipping, after a pipeline step that needs the receiver: a deadlock; and a pending NCCL
+receive holds any device-wide synchronization until its message arrives. Instead every stage sends
+and receives its values in one ``batch_isend_irecv`` on one group of the pipeline's ranks at its
+clipping; the group is connected by one such batch when the exchange is built (every stage builds
+it at start-up), not in the middle of a step. By NCCL's source (not yet measured on GPUs) it costs
+the step nothing on its socket transport, which pushes a small send onto its TCP connection without
+waiting for the receive (``ncclNetSocketIsend``): the values of the stages that finished earlier
+wait in the first stage's socket buffers when it posts its batch, and the others wait one latency
+for its value while it starts the next step, as above. (Over InfiniBand a send waits for its
+receive to be posted: the first stage then waits one round trip for the others' values.)
 
 Under the asynchronous schedule (``wire.async_schedule``) a batch's gradient is complete on a stage
 when its last backward of it is done, and applied a step later: ``post_batch(b)`` posts the
@@ -46,14 +57,24 @@ class NormExchange:
     global ranks of this rank's pipeline group, stage order; built collectively by them."""
 
     def __init__(self, ranks: list[int], device: torch.device, meter: WireMeter,
-                 link: SimulatedLink | None, timeout: timedelta | None = None):  # fmt: skip
+                 link: SimulatedLink | None, timeout: timedelta | None = None,
+                 batched: bool = False):  # fmt: skip
         self.ranks, self.device, self.meter, self.link = ranks, device, meter, link
         if ranks != sorted(ranks):
             raise ValueError(f"pipeline ranks {ranks} are not in stage order")
         self.stage = ranks.index(dist.get_rank())
-        self.to_higher = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-        self.to_lower = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        self.batched = batched
+        """NCCL: one batch of sends and receives at the clipping, nothing posted ahead."""
+        self._groups = [
+            dist.new_group(ranks, timeout=timeout, use_local_synchronization=True,
+                           group_desc=f"grad_norm_exchange{i}")  # fmt: skip
+            for i in range(1 if batched else 2)
+        ]
+        self._open = False
+        """Whether ``post`` opened this step's exchange."""
         self._posted: list[tuple[int, torch.Tensor, dist.Work]] = []
+        if batched:  # connect the group now (module docstring)
+            self._exchange_batched(torch.zeros(2, dtype=torch.float64, device=device))
         self._batches: dict[int, list[tuple[int, torch.Tensor, dist.Work]]] = {}
         self._batch_sends: dict[int, tuple[torch.Tensor, list[dist.Work]]] = {}
         self._row_width = 0
@@ -63,19 +84,24 @@ class NormExchange:
 
     @property
     def groups(self) -> list[dist.ProcessGroup]:
-        return [self.to_higher, self.to_lower]
+        return list(self._groups)
 
     def _group(self, sender: int, receiver: int) -> dist.ProcessGroup:
-        return self.to_higher if receiver > sender else self.to_lower
+        """gloo: messages to higher stages on the first group, to lower on the second."""
+        return self._groups[0] if receiver > sender else self._groups[-1]
 
     def post(self, row_width: int = 0) -> None:
-        """Post this step's receives, one from every other stage (at the step's start), each
-        with room for a metrics row of ``row_width`` values (0: no row this step). Counts the
-        exchange on the meter."""
-        if self._posted:
+        """Open this step's exchange (at the step's start), with room for a metrics row of
+        ``row_width`` values (0: no row this step): on gloo, post its receives, one from every
+        other stage. Counts the exchange on the meter."""
+        if self._open:
             raise RuntimeError("the previous step's gradient norms were never reduced")
+        self._open = True
         self._row_width, self.rows = row_width, None
-        self._posted = self._post_receives(2 + row_width)
+        if self.batched:
+            self.meter.collective("grad_norm", 1)
+        else:
+            self._posted = self._post_receives(2 + row_width)
 
     def _post_receives(self, width: int) -> list[tuple[int, torch.Tensor, dist.Work]]:
         """One receive of ``width`` float64 values from every other stage; counted."""
@@ -116,6 +142,8 @@ class NormExchange:
 
     def post_batch(self, batch: int) -> None:
         """Asynchronous schedule: post the receives of ``batch``'s norms (at its step's start)."""
+        if self.batched:
+            raise RuntimeError("the asynchronous schedule's norm exchange runs on gloo only")
         if batch in self._batches:
             raise RuntimeError(f"the gradient norms of batch {batch} are already expected")
         self._batches[batch] = self._post_receives(2)
@@ -147,19 +175,44 @@ class NormExchange:
         width = 0 if row is None else row.numel()
         if width != self._row_width:
             raise ValueError(f"a metrics row of {width} values; {self._row_width} were posted")
+        if not self._open:
+            raise RuntimeError("the gradient-norm exchange was not posted this step")
+        self._open = False
         square = local_norm.detach() ** 2
-        sends = self._send_all(self._message(square, row))
+        message = self._message(square, row)
+        if self.batched:
+            received = self._exchange_batched(message)
+        else:
+            sends = self._send_all(message)
+            for _, _, work in self._posted:
+                work.wait()
+            received = [(peer, buffer) for peer, buffer, _ in self._posted]
+            self._posted = []
+            for work in sends:
+                work.wait()
         squares = {self.stage: square}
         rows = {self.stage: row}
         arrivals = []
-        for peer, buffer, work in self._posted:
-            work.wait()
+        for peer, buffer in received:
             squares[peer] = buffer[0].to(square.dtype)
             arrivals.append(buffer[1])
             rows[peer] = buffer[2:]
-        self._posted.clear()
-        for work in sends:
-            work.wait()
         if row is not None:
             self.rows = torch.stack([rows[stage] for stage in range(len(self.ranks))])
         return self._sum(squares, arrivals)
+
+    def _exchange_batched(self, message: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """NCCL: ``message`` to every other stage and theirs from every other stage, in one
+        batch on the one group (module docstring); ``[(peer, its message)]``."""
+        (group,) = self._groups
+        ops, received = [], []
+        for peer in range(len(self.ranks)):
+            if peer == self.stage:
+                continue
+            buffer = torch.empty_like(message)
+            received.append((peer, buffer))
+            ops += [dist.P2POp(dist.isend, message, group=group, group_peer=peer),
+                    dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer)]  # fmt: skip
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return received

@@ -9,12 +9,12 @@ Every schedule (GPipe, 1F1B, ...) obtains all of its point-to-point traffic from
   of the ``d``-wide tensor, and unpacks what it receives into the stage's normal receive buffer
   right before consuming it (forward activations and backward gradients alike); with a
   ``SimulatedLink`` the sender's clock stamp travels in the same buffer;
-* **pre-posted receives** (``[transport] prepost_receives``, the default): when a training or
-  evaluation step asks for its first forward receive, every receive of the step is posted at
-  once, forward and (training) backward, each into its own buffer; the builders then hand the
-  schedule no receive ops, and each message is waited for right before its microbatch's compute.
-  Under gloo's receiver-driven TCP transport a receive posted after its send costs one more
-  latency, and torch's schedules post each receive only just before its compute. Off, the
+* **pre-posted receives** (``[transport] prepost_receives``, the default; gloo only): when a
+  training or evaluation step asks for its first forward receive, every receive of the step is
+  posted at once, forward and (training) backward, each into its own buffer; the builders then hand
+  the schedule no receive ops, and each message is waited for right before its microbatch's
+  compute. Under gloo's receiver-driven TCP transport a receive posted after its send costs one
+  more latency, and torch's schedules post each receive only just before its compute. Off, the
   schedule posts and waits each receive as torch does (just in time);
 * it accounts every message handed to the wire, per boundary and direction, and the time this
   stage waited for each (``WireMeter``);
@@ -25,13 +25,17 @@ Boundary ``b`` sits between stage ``b`` and stage ``b + 1``: a forward message f
 crosses boundary ``s``, a backward message from stage ``s`` crosses boundary ``s - 1``.
 (Shape-inference traffic at the first step does not pass through these builders.)
 
-NCCL: a stage that pre-posts its gradient receives at the start of the step must not share one
-communicator per neighbour between the two directions (NCCL runs a communicator's operations in
-the order they were issued, so a gradient receive queued ahead of an activation send to the same
-peer would wait forever). ``p2p_per_direction`` therefore turns on torch's per-direction
-communicators (one for activations, one for gradients) whenever receives are pre-posted on NCCL;
-on each of them both sides issue their operations in microbatch order, under GPipe and 1F1B.
-gloo matches each send to its receive by peer and tag, with no shared queue, and needs neither.
+NCCL: every message travels on the group of its boundary and direction
+(``wire.boundary_groups``: one sender, one receiver, both in microbatch order under GPipe and
+1F1B), connected when the stage is built, so that NCCL's lazy set-up never waits for a message
+that needs this stage first; and every receive is posted just in time, as torch's schedules do,
+whatever ``prepost_receives`` says. A pre-posted NCCL receive is a kernel on the device until
+its message arrives, and any device-wide synchronization meanwhile (TorchTitan's after a
+process's first step, a ``cudaFree`` of cached memory) waits for it: under 1F1B a stage holding
+the next step's forward receives then waits for a sender that first needs this stage's
+gradients, for ever. Over NCCL's socket transport a message does not wait for its receive, so a
+receive posted late costs nothing there (``wire.norm_exchange``). gloo matches each send to its
+receive by peer and tag, with no shared queue, and keeps the pipeline's group.
 
 Asynchronous mode (``enable_async``, for ``wire.async_schedule``): the schedule posts each
 training call's receives itself (``post_batch_receives``), a message may be expected for the same
@@ -51,15 +55,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.config as dist_config
 from torch.distributed.pipelining import PipelineStage
 from torchtitan.tools.logging import logger
 
 from protocol_models.tools.errors import as_link_fault
+from protocol_models.wire.boundary_groups import BoundaryGroups, follows_nccl
 from protocol_models.wire.codecs import Codec, Payload
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.message import MessageLayout
-from protocol_models.wire.meter import WireMeter
+from protocol_models.wire.meter import Mark, WireMeter, mark
 from protocol_models.wire.weight_versions import WeightVersions
 
 if TYPE_CHECKING:
@@ -72,8 +76,9 @@ DIRECTIONS = ("fwd", "bwd")
 class Inbound:
     """One message this stage expects: its layout, the buffer the wire fills, the stage's own
     receive buffer it is unpacked into (torch's ``_RecvInfo`` buffer; the same tensor when
-    ``layout.direct`` and no codec), when its receive was posted, and the pre-posted receive's
-    ``Work`` (None: the schedule posts and waits it)."""
+    ``layout.direct`` and no codec), when its receive was posted (host time, and as ``mark``
+    gives it: on CUDA an event on the stream), and the pre-posted receive's ``Work`` (None: the
+    schedule posts and waits it)."""
 
     layout: MessageLayout
     buffer: torch.Tensor
@@ -82,6 +87,7 @@ class Inbound:
     peer: int
     """The sender's global rank."""
     posted_at: float
+    posted: Mark
     work: dist.Work | None = None
 
 
@@ -100,11 +106,6 @@ class Waiting:
     """The sender's global rank."""
 
 
-def p2p_per_direction(backend: str, prepost: bool) -> bool:
-    """Whether the stage needs torch's per-direction P2P communicators (module docstring)."""
-    return prepost and backend == "nccl"
-
-
 class WirePipelineStage(PipelineStage):
     """A ``PipelineStage`` that sends one message per microbatch and direction, pre-posts its
     receives, meters what it sends, optionally compresses it with a lossy codec and optionally
@@ -117,13 +118,17 @@ class WirePipelineStage(PipelineStage):
     """
 
     def __init__(self, *args, wire: Wire, **kwargs):
-        if p2p_per_direction(dist.get_backend(kwargs.get("group")), wire.prepost):
-            dist_config.pipeline_per_direction_p2p = True  # read by PipelineStage.__init__
         super().__init__(*args, **kwargs)
+        self.boundary_groups: BoundaryGroups | None = None
+        """NCCL: the group of each boundary and direction (None: gloo, the pipeline's group)."""
+        if follows_nccl(self.group):
+            self.boundary_groups = BoundaryGroups(self.group, wire.timeout)
+            self.boundary_groups.connect(self.stage_index, self.device)
         self.meter: WireMeter = wire.meter
         self.link: SimulatedLink | None = wire.link
         self.codec: Codec | None = wire.codec
-        self.prepost = wire.prepost
+        self.prepost = wire.prepost and self.boundary_groups is None
+        """Whether this stage pre-posts its receives (gloo with ``prepost_receives``)."""
         self._sent: dict[int, Payload] = {}
         self._received: dict[int, Payload] = {}
         self._inbound: dict[tuple[str, int], deque[Inbound]] = {}
@@ -189,7 +194,7 @@ class WirePipelineStage(PipelineStage):
         layout = self._layout([(p.shape, p.dtype) for p in parts])
         stamp = self.link.stamp(op.tensor.device) if self.link is not None else None
         message = _wire_view(layout.pack(parts, stamp))
-        return [dist.P2POp(dist.isend, message, op.peer, op.group)]
+        return [dist.P2POp(dist.isend, message, op.peer, self._group(direction, boundary, op))]
 
     # -- receives ------------------------------------------------------------------------------
 
@@ -275,9 +280,18 @@ class WirePipelineStage(PipelineStage):
         direct = layout.direct and self.codec is None and not self.asynchronous
         buffer = target if direct else layout.empty(target.device)
         boundary = self.stage_index - 1 if direction == "fwd" else self.stage_index
-        inbound = Inbound(layout, buffer, target, boundary, op.peer, posted_at=time.time())
+        inbound = Inbound(layout, buffer, target, boundary, op.peer, posted_at=time.time(),
+                          posted=mark(self.device))  # fmt: skip
         self._inbound.setdefault((direction, chunk), deque()).append(inbound)
-        return [dist.P2POp(dist.irecv, _wire_view(buffer), op.peer, op.group)]
+        return [dist.P2POp(dist.irecv, _wire_view(buffer), op.peer,
+                           self._group(direction, boundary, op))]  # fmt: skip
+
+    def _group(self, direction: str, boundary: int, op: dist.P2POp) -> dist.ProcessGroup:
+        """The group a message of ``direction`` over ``boundary`` travels on (module docstring);
+        ``op``: torch's op for it."""
+        if self.boundary_groups is None:
+            return op.group
+        return self.boundary_groups.group(direction, boundary)
 
     def _layout(self, parts) -> MessageLayout:
         return MessageLayout(tuple((torch.Size(s), d) for s, d in parts), self.link is not None)
@@ -307,21 +321,20 @@ class WirePipelineStage(PipelineStage):
         if not queue:
             del self._inbound[(direction, chunk)]
         if inbound.work is None:  # the schedule posted and waited it just now
-            blocked = time.time() - inbound.posted_at
+            began = inbound.posted
         else:
-            began = time.time()
+            began, host_began = mark(self.device), time.time()
             try:
                 inbound.work.wait()
             except RuntimeError as e:  # gloo: the peer's connection closed or broke
                 what = (f"stage {self.stage_index}: the {direction} message of microbatch {chunk} "
                         f"over boundary {inbound.boundary} from rank {inbound.peer}, waited "
-                        f"{time.time() - began:.0f} s,")  # fmt: skip
+                        f"{time.time() - host_began:.0f} s,")  # fmt: skip
                 fault = as_link_fault(e, what)
                 if fault is None:
                     raise
                 raise fault from e
-            blocked = time.time() - began
-        self.meter.waited(direction, inbound.boundary, blocked)
+        self.meter.waited(direction, inbound.boundary, began, mark(self.device))
         parts, stamp = inbound.layout.unpack(inbound.buffer)
         if self.link is not None and self.submod.training:
             nbytes = inbound.layout.payload_bytes

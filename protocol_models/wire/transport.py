@@ -29,16 +29,18 @@ class TransportSettings:
     """TOML table ``[transport]``."""
 
     prepost_receives: bool = True
-    """Post all of a step's receives when its first is requested (the forward ones already
-    when the previous training step's schedule finished), each waited right before its
+    """gloo: post all of a step's receives when its first is requested (the forward ones
+    already when the previous training step's schedule finished), each waited right before its
     microbatch's compute (``wire.stage``); false: each just before its compute, as torch's
-    schedules do, which costs one more latency per message under gloo."""
+    schedules do, which costs one more latency per message under gloo. NCCL always posts just
+    in time (a pending NCCL receive holds any device-wide synchronization; its socket transport
+    does not wait for the receive)."""
     exchange_grad_norm: bool = True
-    """Reduce the gradient norm over the pipeline stages by an exchange of pre-posted messages
-    (``wire.norm_exchange``: no latency on the step; a log step's metrics travel with it)
-    instead of TorchTitan's all-reduce (about one round trip per ring step). The sum is the
-    same on every stage; for two stages it equals the all-reduce's bit for bit, for more it
-    may differ in the last bit (another order)."""
+    """Reduce the gradient norm over the pipeline stages by an exchange of messages
+    (``wire.norm_exchange``: pre-posted on gloo, one batch at the clipping on NCCL; no latency
+    on the step; a log step's metrics travel with it) instead of TorchTitan's all-reduce (about
+    one round trip per ring step). The sum is the same on every stage; for two stages it equals
+    the all-reduce's bit for bit, for more it may differ in the last bit (another order)."""
     link_mbps: float = 0.0
     """The slowest real link between two nodes of the run, Mbit/s (0: not stated). With
     ``link_latency_ms`` the config check compares this node's TCP settings with the link's

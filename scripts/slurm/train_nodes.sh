@@ -12,11 +12,46 @@
 # Without a region column every node's label is its host name (REGION is unset on the nodes).
 # MASTER_ADDR (the rendezvous) is the first node of the order; MASTER_PORT defaults to 29500.
 # NCCL runs over plain TCP between regions; override any of the NCCL_* defaults below.
+# srun starts the same command line on every node, so every node needs this checkout, with its
+# .venv (or PYTHON), at the same absolute path, and the same code there: before anything else
+# each node checks both against the node that runs this script (the batch host) and stops with
+# one line naming itself and what differs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
+checkout_fingerprint() {  # what every node must share: pyproject.toml, package, scripts, configs
+    { echo pyproject.toml; find protocol_models scripts configs -type f \( -name '*.py' \
+        -o -name '*.sh' -o -name '*.sbatch' -o -name '*.toml' \); } |
+        LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
+}
+
+# What srun runs on each node: a node without the checkout cannot open this script, so the
+# path checks are inline; then --on-node below compares the code.
+ON_NODE='root="$PM_CHECKOUT_ROOT" node="${SLURMD_NODENAME:-$(hostname)}" py="${PYTHON:-.venv/bin/python}"
+if ! cd "$root" 2>/dev/null || [ ! -f scripts/slurm/train_nodes.sh ]; then
+    echo "error: node $node: no checkout of this repository at $root; every node needs it (with" \
+        "its .venv) at the same path as $PM_CHECKOUT_NODE, where the job runs" >&2
+    exit 2
+fi
+if ! command -v "$py" >/dev/null; then
+    echo "error: node $node: no $py in $root (PYTHON); every node needs the .venv at the same" \
+        "path as $PM_CHECKOUT_NODE: run \`source scripts/env.sh\` in $root on $node once" >&2
+    exit 2
+fi
+exec bash scripts/slurm/train_nodes.sh --on-node "$@"'
+
 if [ "${1:-}" = "--on-node" ]; then  # one task per node, started by the srun below
     shift
+    node="${SLURMD_NODENAME:-$(hostname)}"
+    here="$(checkout_fingerprint)"
+    if [ "$here" != "${PM_CHECKOUT:-}" ]; then
+        head="$(git rev-parse --short HEAD 2>/dev/null || echo none)"
+        echo "error: node $node: the checkout at $PWD differs from $PM_CHECKOUT_NODE's" \
+            "(pyproject.toml, protocol_models/, scripts/, configs/: fingerprint $here, git HEAD" \
+            "$head here; $PM_CHECKOUT, $PM_CHECKOUT_HEAD there); put the same code at that path" \
+            "on every node" >&2
+        exit 2
+    fi
     line="$(awk -v host="$SLURMD_NODENAME" '$1 == host { print NR - 1, $2; exit }' <<<"$NODE_ORDER")"
     if [ -z "$line" ]; then
         echo "error: node $SLURMD_NODENAME is not in the node order" >&2
@@ -53,6 +88,9 @@ if [ "$(sort <<<"$listed")" != "$(sort <<<"$allocated")" ]; then
 fi
 
 export NODE_ORDER NNODES="$SLURM_NNODES"
+export PM_CHECKOUT_ROOT="$PWD" PM_CHECKOUT="$(checkout_fingerprint)"
+export PM_CHECKOUT_NODE="${SLURMD_NODENAME:-$(hostname)}"
+export PM_CHECKOUT_HEAD="$(git rev-parse --short HEAD 2>/dev/null || echo none)"
 export MASTER_ADDR="$(head -n 1 <<<"$listed")" MASTER_PORT="${MASTER_PORT:-29500}"
 export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"               # no InfiniBand between regions
 export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}" # any interface but loopback/docker
@@ -61,5 +99,6 @@ export NCCL_NSOCKS_PERTHREAD="${NCCL_NSOCKS_PERTHREAD:-4}"   # a long, high-late
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3                     # a dead peer aborts, then restarts
 echo "node order ($source): $(paste -sd' ' <<<"$listed"); rendezvous $MASTER_ADDR:$MASTER_PORT"
 # (srun does not inherit sbatch's --cpus-per-task since SLURM 22.05: pass it on)
+# (--chdir=/: a node without the checkout starts anyway, and ON_NODE says so in one line)
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} \
-    bash scripts/slurm/train_nodes.sh --on-node "$@"
+    --chdir=/ bash -c "$ON_NODE" train_nodes "$@"

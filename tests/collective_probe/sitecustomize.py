@@ -39,6 +39,10 @@ import protocol_models.training.optimizers
 import protocol_models.training.trainer
 import protocol_models.wire.norm_exchange
 import protocol_models.wire.stage
+from protocol_models.tools import nccl_rules
+
+if nccl_rules.enabled():  # the probe's checks wrap the rules' point-to-point calls
+    nccl_rules.install()
 
 SCOPED = {
     protocol_models.training.metrics.ProtocolMetricsProcessor: (
