@@ -73,8 +73,8 @@ class NormExchange:
         self._open = False
         """Whether ``post`` opened this step's exchange."""
         self._posted: list[tuple[int, torch.Tensor, dist.Work]] = []
-        if batched:  # connect the group now (module docstring)
-            self._exchange_batched(torch.zeros(2, dtype=torch.float64, device=device))
+        if batched:
+            self._connect()
         self._batches: dict[int, list[tuple[int, torch.Tensor, dist.Work]]] = {}
         self._batch_sends: dict[int, tuple[torch.Tensor, list[dist.Work]]] = {}
         self._row_width = 0
@@ -200,6 +200,11 @@ class NormExchange:
         if row is not None:
             self.rows = torch.stack([rows[stage] for stage in range(len(self.ranks))])
         return self._sum(squares, arrivals)
+
+    def _connect(self) -> None:
+        """NCCL: one batch now, so that the group is created and connected at start-up, with
+        every stage there (module docstring)."""
+        self._exchange_batched(torch.zeros(2, dtype=torch.float64, device=self.device))
 
     def _exchange_batched(self, message: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """NCCL: ``message`` to every other stage and theirs from every other stage, in one

@@ -49,7 +49,7 @@ SCOPED = {
         "_from_last_stage",
         "_agree_over_pipeline",
     ),
-    protocol_models.wire.norm_exchange.NormExchange: ("post", "global_norm"),
+    protocol_models.wire.norm_exchange.NormExchange: ("_connect", "post", "global_norm"),
     protocol_models.training.optimizers.GuardedOptimizers: ("_gradients_finite",),
     protocol_models.training.grassmann.SubspaceTracker: ("_update",),
     protocol_models.training.mapl_sync.BoundarySync: ("sum_gradients", "metrics"),
