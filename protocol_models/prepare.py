@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from protocol_models.config.run_config import load_config, split_argv
+from protocol_models.config.run_config import load_config, split_argv, usage_asked
 from protocol_models.data import shakespeare
 from protocol_models.data.loader import prepare
 from protocol_models.tools.errors import ConfigError
@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     """Without ``--toml``: prepare the bundled data. With it: check the config (one ``error:``
     line and exit 2 on bad input), then prepare what it reads."""
     argv = sys.argv[1:] if argv is None else argv
+    if usage_asked(argv, __doc__):
+        return 0
     toml_path, overrides = split_argv(argv)
     if toml_path is None and not overrides:
         print(f"prepared {shakespeare.prepare(shakespeare.DEFAULT_CACHE)}")

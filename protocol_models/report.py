@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from protocol_models.config.run_config import ConfigError, load_config, split_argv
+from protocol_models.config.run_config import ConfigError, load_config, split_argv, usage_asked
 from protocol_models.training.metrics import read_jsonl
 
 
@@ -44,6 +44,8 @@ def summarize(dump_folder: Path) -> str:
 
 def main() -> int:
     argv = sys.argv[1:]
+    if usage_asked(argv, __doc__):
+        return 0
     if argv and not argv[0].startswith("--"):
         argv = ["--toml", *argv]
     toml_path, overrides = split_argv(argv)

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from protocol_models.cluster import fsdp_probe
 from protocol_models.cluster.fsdp_probe import FSDP_PROBE_ENV
-from protocol_models.config.run_config import load_config, split_argv
+from protocol_models.config.run_config import load_config, split_argv, usage_asked
 from protocol_models.tools import nccl_rules
 from protocol_models.tools.errors import USER_ERROR_FILE_ENV, LinkFault, UserError
 from protocol_models.training import console
@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error (config, start-up check, non-finite guard; left in
     ``PROTOCOL_MODELS_USER_ERROR_FILE`` when the launcher set it, so that it is not restarted),
     3 a silent or broken peer (``LinkFault``: one line, restarted by ``--max-restarts``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if usage_asked(argv, __doc__):
+        return 0
     try:
-        run(*split_argv(sys.argv[1:] if argv is None else argv))
+        run(*split_argv(argv))
     except LinkFault as e:  # a peer went silent or its connection broke: a restart recovers
         end_worker(e)
     except UserError as e:

@@ -19,9 +19,10 @@
 #                 worker's user error ends the run instead: it would recur)
 #   PYTHON        interpreter with protocol_models installed (default: .venv/bin/python)
 set -euo pipefail
-if [ $# -lt 1 ]; then
-    echo "usage: bash scripts/train.sh CONFIG.toml [--section.key value ...]" >&2
-    exit 2
+if [ $# -lt 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+    # the usage: this file's opening comment
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p' >&"$(( $# ? 1 : 2 ))"
+    exit "$(( $# ? 0 : 2 ))"
 fi
 config="$(realpath "$1")"
 shift

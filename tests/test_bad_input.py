@@ -208,3 +208,35 @@ def test_toml_syntax_error_names_the_file(tmp_path):
     assert result.returncode != 0
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and "bad.toml" in line and "TOML" in line
+
+
+HELP_PROBE = """
+import runpy, sys
+for name in sys.argv[1:]:  # protocol_models.train ends its process (os._exit): last
+    print(f"@@ {name}", flush=True)
+    sys.argv = [name, "--help"]
+    try:
+        runpy.run_module(f"protocol_models.{name}", run_name="__main__")
+    except SystemExit as e:
+        print(f"@@ exit {e.code or 0}", flush=True)
+"""
+
+
+def test_every_command_answers_help_with_its_usage():
+    """``--help`` on ``scripts/train.sh`` and on every ``python -m protocol_models.X`` (the
+    top-level commands and ``config``) prints what the command takes on stdout and exits 0 (one
+    interpreter runs every command's ``__main__``)."""
+    script = subprocess.run(["bash", "scripts/train.sh", "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert script.returncode == 0 and "bash scripts/train.sh CONFIG.toml" in script.stdout
+    names = sorted(p.stem for p in (REPO / "protocol_models").glob("*.py") if p.stem != "__init__")
+    names = [n for n in names if n != "train"] + ["config", "train"]
+    result = subprocess.run([sys.executable, "-c", HELP_PROBE, *names], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    chunks = dict(c.split("\n", 1) for c in result.stdout.split("@@ ")[1:] if "\n" in c)
+    for name in names:
+        usage = chunks.get(name, "")
+        assert f"protocol_models.{name}" in usage or "usage:" in usage, (name, usage[:300])
+    assert "error:" not in result.stderr, result.stderr[-2000:]
+    assert all(f"exit {code}" not in chunks for code in (1, 2)), result.stdout[-2000:]

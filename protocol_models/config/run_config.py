@@ -41,6 +41,7 @@ from protocol_models.config.toml_tables import (
     read_layers,
     rerun_post_init,
     split_argv,
+    usage_asked,
 )
 from protocol_models.config.torchtitan_ranges import TORCHTITAN_RANGES
 from protocol_models.model.layout import stage_layer_ranges
@@ -52,7 +53,8 @@ from protocol_models.training.optimizers import OPTIMIZERS, OptimizerSettings
 from protocol_models.training.trainer import ProtocolTrainer
 from protocol_models.wire.async_schedule import ASYNC_SCHEDULE, max_hop_depth
 
-__all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "validate"]
+__all__ = ["ConfigError", "load_config", "parse_overrides", "split_argv", "usage_asked",
+           "validate"]  # fmt: skip
 
 ACTIVATION_CHECKPOINT = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 _TOP_LEVEL_SPECIAL = ("activation_checkpoint", "optimizer")
@@ -311,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     from protocol_models.wire.transport import tcp_advice
 
     args = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m protocol_models.config [--prepare] --toml FILE [--section.key v ...]"
+    if usage_asked(args, f"{usage}\n\n{main.__doc__}"):
+        return 0
     make_ready = args[:1] == ["--prepare"]
     toml_path, overrides = split_argv(args[1:] if make_ready else args)
     try:

@@ -129,6 +129,15 @@ def _set_path(table: dict, keys: list[str], value: Any) -> None:
     table[keys[-1]] = value
 
 
+def usage_asked(argv: list[str], usage: str) -> bool:
+    """Whether ``argv`` asks for help (``-h`` or ``--help`` anywhere); then ``usage`` (the
+    command's usage and what it does) is printed to stdout first, and the caller exits 0."""
+    if not {"-h", "--help"} & set(argv):
+        return False
+    print(usage.strip())
+    return True
+
+
 def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
     """Pull ``--toml FILE`` out of ``argv``; the rest are overrides."""
     rest, toml_path, i = [], None, 0
