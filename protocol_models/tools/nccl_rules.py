@@ -27,10 +27,11 @@ every point-to-point call (``isend``, ``irecv``, ``send``, ``recv``, ``batch_ise
   finished (on CUDA a pending receive is a kernel on the device); TorchTitan's device module's
   ``synchronize`` does here.
 
-Each emulated communicator is a gloo process group of its own members (created through the
-default store, keyed by the communicator's name: the rendezvous is R2), with a thread per
-member that runs its ops one unit at a time (R4; a batch is one unit) and tags the n-th message
-of each direction ``n`` (R3). A rule broken is one line (``NcclRuleBroken``, exit code 2 from
+Each emulated communicator moves its bytes over a two-rank gloo group per pair of its members
+that exchange messages (created through the default store, keyed by the communicator's name,
+once the pair's set-up rendezvous of R2 is done there), with a thread per member that runs its
+ops one unit at a time (R4; a batch is one unit) and tags the n-th message of each direction
+``n`` (R3). A rule broken is one line (``NcclRuleBroken``, exit code 2 from
 ``protocol_models.train``) naming the rule, the ranks, the communicator and the two ops, raised
 by the waiting rank once it has waited ``PM_NCCL_RULES_WAIT_S`` seconds (default 20) and the
 rank it waits for has been waiting as long for it in turn (each rank publishes what it waits

@@ -15,9 +15,10 @@ work before it sends again. Between steps nothing is watched (``[comm]``'s timeo
 
 A stall shorter than the bound is ridden through: nothing is cancelled, TCP retransmits, the
 step ends late with the same numbers. Past the bound the watch thread prints one ``error:``
-line -- the oldest receive this rank's pipeline stage still waits for (boundary, direction,
-microbatch, the peer's stage, rank, node and host), or that none is outstanding (a collective or
-the stage's own compute) -- records it in torchelastic's error file and ends the process with
+line -- the oldest receive this rank still waits for (a pre-posted pipeline message: boundary,
+direction, microbatch; or the gradient norm; with the peer's stage, rank, node and host), or
+that none is outstanding (a collective, the stage's own compute, or on NCCL a pipeline message,
+posted just in time) -- records it in torchelastic's error file and ends the process with
 ``EXIT_CODE``. Its peers see the connection close (or hit their own bound, across a partition)
 and end the same way; torchelastic's agents then restart every node's workers, which resume
 from the last checkpoint every node has completed once all nodes are back in the rendezvous.
@@ -53,11 +54,9 @@ EXIT_CODE = 3
 def describe_waiting(waiting: Waiting, now: float, where: Callable[[int], str]) -> str:
     """``stage 1 has waited 74 s for the fwd message of microbatch 3 over boundary 0 from stage 0
     (rank 0, node 0, host a)``; ``where(rank)`` names a rank's place."""
-    peer = waiting.stage - 1 if waiting.direction == "fwd" else waiting.stage + 1
     return (
-        f"stage {waiting.stage} has waited {now - waiting.posted_at:.0f} s for the "
-        f"{waiting.direction} message of microbatch {waiting.microbatch} over boundary "
-        f"{waiting.boundary} from stage {peer} ({where(waiting.peer_rank)})"
+        f"stage {waiting.stage} has waited {now - waiting.posted_at:.0f} s for "
+        f"{waiting.message} from stage {waiting.peer_stage} ({where(waiting.peer_rank)})"
     )
 
 

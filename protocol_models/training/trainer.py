@@ -230,7 +230,8 @@ class ProtocolTrainer(Trainer):
             return f"rank {rank}, node {place.node}, host {place.host}"
 
         def pending() -> list[Waiting]:
-            return [w for stage in self.wire.stages for w in stage.waiting()]
+            norm = self.norm_exchange.waiting() if self.norm_exchange is not None else []
+            return [w for stage in self.wire.stages for w in stage.waiting()] + norm
 
         return StallWatch(transport.stall_bound_steps, transport.stall_bound_floor_seconds,
                           pending, where)  # fmt: skip

@@ -43,6 +43,7 @@ metrics row travels this way.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.meter import WireMeter
+from protocol_models.wire.stage import Waiting
 
 
 class NormExchange:
@@ -72,6 +74,8 @@ class NormExchange:
         ]
         self._open = False
         """Whether ``post`` opened this step's exchange."""
+        self._receiving: list[tuple[int, float, dist.Work]] = []
+        """This step's receives not yet waited for: ``(peer stage, posted at, work)``."""
         self._posted: list[tuple[int, torch.Tensor, dist.Work]] = []
         if batched:
             self._connect()
@@ -113,7 +117,15 @@ class NormExchange:
             group = self._group(peer, self.stage)
             posted.append((peer, buffer, dist.irecv(buffer, group=group, group_src=peer)))
         self.meter.collective("grad_norm", 1)
+        self._receiving = [(peer, time.time(), work) for peer, _, work in posted]
         return posted
+
+    def waiting(self) -> list[Waiting]:
+        """This step's gradient-norm receives not yet complete (``training.stall_watch``; any
+        thread)."""
+        return [Waiting(posted_at, self.stage, "the gradient norm", peer, self.ranks[peer])
+                for peer, posted_at, work in list(self._receiving)
+                if not work.is_completed()]  # fmt: skip
 
     def _message(self, square: torch.Tensor, row: torch.Tensor | None) -> torch.Tensor:
         """``[n_s^2, clock, row...]`` float64 (module docstring)."""
@@ -218,6 +230,9 @@ class NormExchange:
             received.append((peer, buffer))
             ops += [dist.P2POp(dist.isend, message, group=group, group_peer=peer),
                     dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer)]  # fmt: skip
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        now = time.time()
+        self._receiving = [(peer, now, works[2 * i + 1]) for i, (peer, _) in enumerate(received)]
+        for work in works:
             work.wait()
         return received

@@ -98,10 +98,10 @@ class Waiting:
     posted_at: float
     """``time.time()`` when it was posted."""
     stage: int
-    direction: str
-    """``"fwd"`` (activations from the previous stage) or ``"bwd"`` (gradients from the next)."""
-    boundary: int
-    microbatch: int
+    message: str
+    """What it receives: ``the fwd message of microbatch 3 over boundary 0``, ``the gradient
+    norm``."""
+    peer_stage: int
     peer_rank: int
     """The sender's global rank."""
 
@@ -358,8 +358,11 @@ class WirePipelineStage(PipelineStage):
         for (direction, chunk), queue in list(self._inbound.items()):
             for inbound in list(queue):
                 if inbound.work is not None and not inbound.work.is_completed():
-                    out.append(Waiting(inbound.posted_at, self.stage_index, direction,
-                                       inbound.boundary, chunk, inbound.peer))  # fmt: skip
+                    message = (f"the {direction} message of microbatch {chunk} over boundary "
+                               f"{inbound.boundary}")  # fmt: skip
+                    peer = self.stage_index + (-1 if direction == "fwd" else 1)
+                    out.append(Waiting(inbound.posted_at, self.stage_index, message, peer,
+                                       inbound.peer))  # fmt: skip
         return out
 
     def _describe_once(self, direction: str, boundary: int, ops: list[dist.P2POp]) -> None:

@@ -57,7 +57,7 @@ class TransportSettings:
     stall_bound_steps: float = 5.0
     """A training step that runs longer than this many median steps plus
     ``stall_bound_floor_seconds`` (plus twice the time since the previous step: a checkpoint
-    save, a validation) ends the worker with one line naming the boundary and peer it waits for,
+    save, a validation) ends the worker with one line naming the message and peer it waits for,
     exit code 3, so that ``--max-restarts`` restarts the run from its last complete checkpoint
     (``training.stall_watch``). Armed from a process's 5th step. 0: off, a silent peer is
     noticed only after ``[comm] train_timeout_seconds``."""
