@@ -610,15 +610,17 @@ def _get_backend(original):
     return get_backend
 
 
-_INSTALLED: dict[str, object] = {}
+_installed = False
 
 
 def install() -> None:
     """Put the rules in place in this process (idempotent): ``torch.distributed``'s
     point-to-point calls and ``get_backend`` are replaced, in the package and in
     ``distributed_c10d`` (``P2POp`` checks its op against the latter's)."""
-    if _INSTALLED:
+    global _installed
+    if _installed:
         return
+    _installed = True
     RULES.bound = mode() == "bound"
     RULES._publisher.start()
     replacements = {
@@ -630,13 +632,10 @@ def install() -> None:
         "split_group": _split_group(c10d.split_group),
     }
     for name, replacement in replacements.items():
-        _INSTALLED[name] = getattr(c10d, name)
         setattr(c10d, name, replacement)
         setattr(dist, name, replacement)
-    _INSTALLED["get_backend"] = dist.get_backend
     dist.get_backend = _get_backend(dist.get_backend)  # the package's: callers outside torch
     import torchtitan.tools.utils as titan_utils  # its device module: CPU shim's here (R6)
 
     module = titan_utils.device_module
-    _INSTALLED["synchronize"] = module.synchronize
     module.synchronize = _synchronize(module.synchronize)
