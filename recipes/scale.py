@@ -42,7 +42,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -66,9 +65,14 @@ from recipes.common import (
     launch_seconds,
     repo_relative,
     run_slot,
+    seed_cells,
+    seed_gaps,
+    study_main,
     train_cached,
     validation_curve,
     wall_seconds,
+    write_report,
+    write_results,
 )
 from recipes.common.arms import wire_bytes
 
@@ -161,15 +165,11 @@ def load_results() -> dict:
 
 
 _SAVE = threading.Lock()
+"""Held while a run's entry joins the results and they are written."""
 
 
 def save(results: dict) -> None:
-    """Write results.json whole (a temporary file renamed over it)."""
-    with _SAVE:
-        OUT.mkdir(parents=True, exist_ok=True)
-        staging = RESULTS.with_suffix(".json.partial")
-        staging.write_text(json.dumps(results, indent=1))
-        os.replace(staging, RESULTS)
+    write_results(RESULTS, results)
 
 
 _SPECTRA = threading.Lock()
@@ -293,17 +293,9 @@ def _ratio(arm: Arm) -> float:
 
 
 def gaps(results: dict, arm: Arm) -> list[float] | None:
-    """Per seed, the arm's final validation loss over its dense twin's, in percent (seed s
-    against the twin's seed s); None until both have every seed."""
-    twin = Arm(arm.d, "dense", arm.steps)
-    runs, dense = results["runs"].get(arm.name), results["runs"].get(twin.name)
-    if runs is None or dense is None:
-        return None
-    pairs = [(runs["seeds"].get(str(s)), dense["seeds"].get(str(s))) for s in SEEDS]
-    if any(a is None or b is None for a, b in pairs):
-        return None
-    return [100 * (a["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
-            for a, b in pairs]  # fmt: skip
+    """Per seed, the arm's gap to its dense twin in percent (``seed_gaps``)."""
+    runs = results["runs"]
+    return seed_gaps(runs.get(arm.name), runs.get(Arm(arm.d, "dense", arm.steps).name), SEEDS)
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -365,17 +357,11 @@ def render_table(results: dict) -> str:
         if row is None:
             lines.append(f"| {arm.name} | {arm.k} | | {arm.steps} | not run yet | | |")
             continue
-        seeds = [row["seeds"].get(str(s)) for s in SEEDS]
-        losses = " / ".join(f"{e['final_val_loss']:.4f}" if e else "-" for e in seeds)
-        gap = gaps(results, arm)
-        gap_text = "" if arm.wire == "dense" else (
-            " / ".join(f"{g:+.2f}" for g in gap) + f" (mean {statistics.fmean(gap):+.2f})"
-            if gap else "pending"
-        )  # fmt: skip
-        walls = [e["wall_s"] for e in seeds if e]
+        losses, gap_text, wall = seed_cells(row, SEEDS, gaps(results, arm))
+        gap_text = "" if arm.wire == "dense" else gap_text
         lines.append(
             f"| {arm.name} | {arm.k} | {row['ratio']:.0f}x | {arm.steps} | {losses} | {gap_text} "
-            f"| {statistics.fmean(walls):.0f} |"
+            f"| {wall:.0f} |"
         )
     trained = [e for row in results["runs"].values() for e in row["seeds"].values()]
     pilot = results.get("pilot") or {}
@@ -449,24 +435,14 @@ def plot(results: dict) -> None:
     fig.savefig(OUT / "scale.png", dpi=120)
 
 
-def report(results: dict) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "table.md").write_text(render_table(results))
-    plot(results)
-    print(render_table(results))
+def report() -> None:
+    results = load_results()
+    write_report(OUT, render_table(results), lambda: plot(results))
 
 
 def main() -> None:
     torch.set_num_threads(1)  # the recipe's own computing shares the machine with its runs
-    parser = argparse.ArgumentParser(prog="python recipes/scale.py")
-    parser.add_argument("--render-only", action="store_true", help="no training")
-    parser.add_argument("--only", nargs="+", choices=[a.name for a in ARMS], metavar="ARM",
-                        help="train only these arms' missing runs: " +
-                        ", ".join(repr(a.name) for a in ARMS))  # fmt: skip
-    args = parser.parse_args()
-    if not args.render_only:
-        run_study(set(args.only) if args.only else None)
-    report(load_results())
+    study_main("python recipes/scale.py", [a.name for a in ARMS], run_study, report)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 From one seed checkpoint (TorchTitan's ``create_seed_checkpoint``, written by one process), a
 1-process run and an S-stage GPipe run must produce the same loss at every step: the boundaries
 carry only k coordinates and the next stage rebuilds the stream from them and the token ids.
-The same holds for ResBM, whose stages send their learned h-wide bottleneck.
+The same holds for ResBM, whose stages send their learned h-wide bottleneck, for MAPL, and for
+the projected mode, whose full-width stream is projected at the boundary only.
 (conftest's ``seed_checkpoint`` and ``seeded_runs`` run them once; the export tests reuse them.)
 """
 
@@ -131,6 +132,22 @@ def test_mapl_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
                            check_environment=False).protocol  # fmt: skip
     sent = BOUNDARIES["mapl"].sync_values(64, 8192, protocol)
     assert 4 * sum(sent) == piped[0]["wire/sync_bytes"]
+
+
+def test_projected_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
+    """``projected`` mode (full-width writers, the stream projected onto ``F + span(U)`` at
+    the boundary only) with 8-bit coordinates: two processes train exactly as one process with
+    the boundary in-graph, and the wire carries the bytes the subspace mode's 8-bit wire does,
+    forward and backward."""
+    piped = _learned_boundary_runs(tmp_path, seed_checkpoint, "--protocol.mode", "projected",
+                                   "--codec.bits", "8")  # fmt: skip
+    codec = build_codec("projected", CodecSettings(bits=8), 64, protocol_seed=7)
+    one = message_bytes("projected", (1, 64, 64), torch.float32, "fwd", k=4, codec=codec)
+    today = build_codec("subspace", CodecSettings(bits=8), 64, protocol_seed=7)
+    assert one == message_bytes("subspace", (1, 64, 64), torch.float32, "fwd", k=4, codec=today)
+    assert one == 64 * (4 + 2)  # per token: 4 one-byte codes and a bf16 scale
+    for r in piped:  # tests/tiny.toml: 4 microbatches of [1, 64, 64] per step, one boundary
+        assert r["wire/fwd_bytes/b0"] == r["wire/bwd_bytes/b0"] == 4 * one
 
 
 def _validation_loss(nproc: int, dump, seed, *overrides: str) -> float:

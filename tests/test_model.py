@@ -74,7 +74,7 @@ def test_explicit_split_reaches_the_constraint_and_the_pipeline_split():
     assert [list(part.layers) for part in parts] == [["0", "1", "2"], ["3"]]
 
 
-@pytest.mark.parametrize("mode", ["subspace", "dense"])
+@pytest.mark.parametrize("mode", ["subspace", "dense", "projected"])
 def test_constraint_layout(mode):
     model = _model(mode, stages=2)
     for layer_id, block in model.layers.items():
@@ -89,7 +89,9 @@ def test_constraint_layout(mode):
 
 
 @pytest.mark.parametrize(
-    ("mode", "stages"), [("subspace", 2), ("subspace", 4), ("dense", 2), ("resbm", 2), ("resbm", 4)]
+    ("mode", "stages"),
+    [("subspace", 2), ("subspace", 4), ("dense", 2), ("resbm", 2), ("resbm", 4),
+     ("projected", 2), ("projected", 4)],  # fmt: skip
 )
 def test_chained_stages_equal_the_whole_model(mode, stages):
     """Forward through stages, passing only the wire tensor; backward with the wire gradient.
@@ -134,6 +136,29 @@ def test_chained_stages_equal_the_whole_model(mode, stages):
         assert all(
             part.pop_boundary_leak() < subspace.leak_tolerance(torch.float32) for part in parts[:-1]
         )
+
+
+def test_projected_boundary_rebuilds_the_projection_of_the_stream():
+    """``projected`` mode: the block after the boundary sees ``F + U U^T (x - F)`` of the stream
+    ``x`` the block before it computed (full width: off span(U) too), from k coordinates."""
+    model = _model("projected", stages=2)
+    ids = _ids()
+    seen = {}
+    model.layers["2"].attention_norm.register_forward_pre_hook(
+        lambda module, args: seen.setdefault("rebuilt", args[0])
+    )
+    model(ids, token_ids=ids)
+    sender = model.layers["1"]
+    sender.project_out = False  # the same forward, without the projection: the stream x
+    x = model._stream_in(ids, ids)
+    for layer in ("0", "1"):
+        x = model.layers[layer](x, None, None, basis=model.basis, token_ids=ids,
+                                table=model.token_table)  # fmt: skip
+    u, anchor = model.basis, model.token_table[ids]
+    expected = anchor + (x - anchor) @ u @ u.T
+    assert torch.allclose(seen["rebuilt"], expected, atol=1e-5)
+    assert subspace.leak(x, ids, u, model.token_table) > 0.5  # the writers leave span(U)
+    assert subspace.leak(seen["rebuilt"], ids, u, model.token_table) < 1e-6
 
 
 def test_bf16_wire_is_exact_up_to_one_bf16_rounding():

@@ -1,4 +1,5 @@
-"""Optimizers keep the boundary exact: unit checks and real 2-stage runs."""
+"""Optimizers keep the boundary exact: unit checks and real 2-stage runs; a frozen embedding
+stays frozen."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 from conftest import torchrun
 
+from protocol_models.hf.checkpoint_files import CheckpointTensors
+from protocol_models.hf.fold import EMBEDDING
 from protocol_models.model.subspace import leak_tolerance, make_basis_and_table
 from protocol_models.training.optimizers import Muon, newton_schulz
 
@@ -47,3 +50,17 @@ def test_optimizer_keeps_the_subspace_and_learns(tmp_path, name):
     assert [r["step"] for r in records] == [1, 10, 20, 30, 40, 50]
     assert all(r["subspace/leak"] < leak_tolerance(torch.float32) for r in records)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
+
+
+def test_frozen_embedding_keeps_its_initial_values(tmp_path, seed_checkpoint):
+    """``model.freeze_embedding`` (the token-table diagnostic): a dense run's embedding ends
+    where its seed checkpoint started, while its blocks train."""
+    dense = ["--protocol.mode", "dense", "--optimizer.name", "muon"]
+    seed = seed_checkpoint(2, *dense)
+    torchrun(1, tmp_path / "run", "--protocol.stages", "2", *dense, "--model.freeze_embedding",
+             "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed))  # fmt: skip
+    block = "layers.0.attention.wo.weight"
+    start = CheckpointTensors(seed).load([EMBEDDING, block])
+    end = CheckpointTensors(tmp_path / "run" / "checkpoint" / "step-3").load([EMBEDDING, block])
+    assert torch.equal(start[EMBEDDING], end[EMBEDDING])
+    assert not torch.equal(start[block], end[block])

@@ -44,7 +44,7 @@ per step; ``n``: microbatches in flight (GPipe: ``M``; 1F1B: ``min(M, S - s)``);
   log-softmax autograd saves) plus ``8 V T`` (one microbatch's fp32 gradients); with ``[model]
   loss_chunk_tokens = N``: ``(a + 12) V min(N, T)`` (one chunk's logits, fp32 copy, log-softmax
   and gradients) plus ``(4 + a) V d`` (the head gradient's fp32 accumulator and its cast);
-* F and U (subspace): ``V d`` in ``protocol.table_dtype`` and ``4 d k``;
+* F and U (subspace and projected): ``V d`` in ``protocol.table_dtype`` and ``4 d k``;
 * CUDA context: 1 GiB (CUDA, cuBLAS and NCCL on the GPU before the first tensor).
 
 A stage fits when ``1.10 x`` the sum is at most ``usable_memory_gib`` (the 10%: allocator
@@ -128,7 +128,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from protocol_models.config.run_config import check_async, load_config, split_argv
 from protocol_models.model.boundary import BOUNDARIES, label
 from protocol_models.model.layout import stage_layer_ranges
-from protocol_models.model.model import build_model_config
+from protocol_models.model.model import ANCHORED_MODES, build_model_config
 from protocol_models.tools.errors import UserError
 from protocol_models.training.optimizers import OPTIMIZERS
 from protocol_models.wire import codec_for
@@ -266,7 +266,7 @@ def stage_cost(
     a, n_mb, tokens = _microbatching(config)
     d, v, heads, seq = arch.dim, arch.vocab_size, arch.n_heads, config.training.seq_len
     kv = (arch.n_kv_heads or arch.n_heads) * (d // heads)
-    subspace = protocol.mode == "subspace" and n_stages > 1
+    anchored = protocol.mode in ANCHORED_MODES and n_stages > 1
     matmuls = block_matmuls(config, _factored_model(config) and not last)
     weights = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
     in_flight = n_mb
@@ -308,7 +308,7 @@ def stage_cost(
         "unsharded": (a + 4) * params,
         "activations": activations,
         "logits": logits,
-        "F and U": v * d * table_bytes + 4 * d * protocol.k if subspace else 0.0,
+        "F and U": v * d * table_bytes + 4 * d * protocol.k if anchored else 0.0,
         **({"versions": versions_bytes(config) * params} if asynchronous else {}),
         "context": CUDA_CONTEXT,
     }

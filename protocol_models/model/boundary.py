@@ -10,6 +10,8 @@ FLOPs). The models themselves are built by ``protocol_models.model.model.build_m
 
 * ``subspace``: the k coordinates ``c`` ``[mb, seq, k]`` of the stream in span(U) (the
   constrained writers are narrower, which the planner counts itself);
+* ``projected``: the same k coordinates ``c = (x - F[t]) U`` of a stream whose writers are full
+  width: only the boundary projects it (``F[t] + U U^T (x - F[t])`` crosses);
 * ``dense``: the stream ``x`` ``[mb, seq, d]``;
 * ``resbm``: a learned bottleneck ``b`` ``[mb, seq, h]`` with ``h = [protocol] k`` (Residual
   Bottleneck Models, Aboudib et al., arXiv 2604.11947): an encoder ``d -> h`` ends the last block
@@ -76,6 +78,9 @@ class BoundaryMethod:
     sent at the same time."""
     exportable: bool = True
     """Whether a trained model folds into an ordinary LLaMA (``protocol_models.export``)."""
+    quantizable: bool = False
+    """Whether ``[codec] bits`` quantizes its messages (k coordinates around ``F``: the
+    ``quant`` codec on ``c``, ``protocol_models.wire.codecs``)."""
 
 
 BOUNDARIES: dict[str, BoundaryMethod] = {}
@@ -94,7 +99,13 @@ def label(mode: str, k: int) -> str:
     return f"{mode} {key}={k}" if key else mode
 
 
-register_boundary("subspace", BoundaryMethod(width=lambda dim, k: k, width_key="k"))
+register_boundary(
+    "subspace", BoundaryMethod(width=lambda dim, k: k, width_key="k", quantizable=True)
+)
+register_boundary(
+    "projected",
+    BoundaryMethod(width=lambda dim, k: k, width_key="k", quantizable=True, exportable=False),
+)
 register_boundary("dense", BoundaryMethod(width=lambda dim, k: dim))
 register_boundary(
     "resbm",

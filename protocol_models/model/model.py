@@ -31,6 +31,15 @@ boundary ends with an encoder in its MLP branch and returns ``b = enc(silu(ffn))
 ``relu(dec(b))`` ``[mb, seq, d]`` to its attention and restarts the stream from ``b``
 zero-padded to ``d`` (``ProtocolBlock.forward``).
 
+``projected`` mode (constrain only what crosses) builds the dense model, anchored on the same
+``F`` and ``U``: the stream starts as ``x0 = F[ids] + E[ids]`` (``E`` ``[V, d]``, the dense
+twin's embedding), every block writes full width, and only at a boundary is the stream projected:
+the last block before it returns ``c = (x - F[ids]) @ U`` ``[mb, seq, k]`` and the first block
+after it rebuilds ``x_hat = F[ids] + c @ U.T`` ``[mb, seq, d]``, i.e. ``F + U U^T (x - F)``.
+The subspace mode's model is the special case whose writers all write into span(U). The same
+bytes cross as in ``subspace`` mode, forward and backward; what the projection discards inside
+a stage is capacity the constrained model never had.
+
 ``mapl`` mode (MAPL, Janson et al., arXiv 2606.05484) builds the dense model with a
 ``mapl.MaplCodec`` on each side of every boundary: the last block before it returns
 ``c = (x - P[t] Q) U`` ``[mb, seq, r]`` (``r = k``), the first block after it rebuilds
@@ -77,6 +86,8 @@ if TYPE_CHECKING:
     from protocol_models.training.protocol import ProtocolSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ANCHORED_MODES = ("subspace", "projected")
+"""The modes whose model holds the frozen ``U`` and ``F`` (``protocol.seed``, ``basis_file``)."""
 Attention = Literal["sdpa", "flex", "varlen"]
 
 
@@ -101,6 +112,10 @@ class ModelArch:
     """The last stage computes the loss this many tokens at a time and never holds the full
     logits ``[mb, seq, V]``; the backward recomputes each chunk's (``protocol_models.model.loss``).
     0: TorchTitan's stock head and ``CrossEntropyLoss`` on the full logits."""
+    freeze_embedding: bool = False
+    """The token embedding keeps its initial (random) values: no gradient, no optimizer state.
+    A diagnostic: a dense twin whose downstream stages see tokens through a frozen random table,
+    as a Protocol Model's do."""
 
     RANGES: ClassVar[Ranges] = {
         "dim": AT_LEAST_1,
@@ -151,6 +166,11 @@ class ProtocolBlock(Llama3TransformerBlock):
     MAPL (``mapl`` mode): with ``mapl_out`` the block returns the coordinates ``c``
     ``[mb, seq, r]`` of its output; with ``mapl_in`` it takes ``c`` and rebuilds its input
     ``[mb, seq, d]`` (both need the token ids).
+
+    Projected boundary (``projected`` mode): with ``project_out`` the block returns
+    ``c = (x - F[ids]) @ U`` ``[mb, seq, k]``; with ``project_in`` it takes ``c`` and rebuilds
+    ``F[ids] + c @ U.T`` ``[mb, seq, d]`` (``subspace.encode``/``decode`` with the model's frozen
+    ``basis`` and ``table``, passed to every block; ``U`` detached: it never trains here).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -165,6 +185,10 @@ class ProtocolBlock(Llama3TransformerBlock):
         """MAPL sender: the block's output is encoded to r coordinates."""
         mapl_in: MaplCodec.Config | None = None
         """MAPL receiver: the block's input is rebuilt from r coordinates."""
+        project_out: bool = False
+        """Projected sender: the block's output is sent as its k coordinates around ``F``."""
+        project_in: bool = False
+        """Projected receiver: the block's input is rebuilt from k coordinates."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -174,6 +198,8 @@ class ProtocolBlock(Llama3TransformerBlock):
         self.decoder = config.decoder.build() if config.decoder is not None else None
         self.mapl_out = config.mapl_out.build() if config.mapl_out is not None else None
         self.mapl_in = config.mapl_in.build() if config.mapl_in is not None else None
+        self.project_out = config.project_out
+        self.project_in = config.project_in
 
     def writers(self) -> list[nn.Parameter]:
         """The two weights that write into the residual stream (``[out, in]``)."""
@@ -186,13 +212,17 @@ class ProtocolBlock(Llama3TransformerBlock):
         positions: torch.Tensor | None = None,
         basis: torch.Tensor | None = None,
         token_ids: torch.Tensor | None = None,
+        table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x`` ``[mb, seq, d]`` (with a decoder: ``b`` ``[mb, seq, h]``; with ``mapl_in``:
-        ``c`` ``[mb, seq, r]``) -> the stream ``[mb, seq, d]`` (with an encoder: ``b``
-        ``[mb, seq, h]``; with ``mapl_out``: ``c`` ``[mb, seq, r]``). ``token_ids``
-        ``[mb, seq]``: MAPL's anchors."""
+        ``c`` ``[mb, seq, r]``; with ``project_in``: ``c`` ``[mb, seq, k]``) -> the stream
+        ``[mb, seq, d]`` (with an encoder: ``b`` ``[mb, seq, h]``; with ``mapl_out``: ``c``
+        ``[mb, seq, r]``; with ``project_out``: ``c`` ``[mb, seq, k]``). ``token_ids``
+        ``[mb, seq]``: MAPL's and the projection's anchors; ``basis``/``table``: ``U``/``F``."""
         if self.mapl_in is not None:
             x = self.mapl_in.decode(x, token_ids)
+        if self.project_in:
+            x = subspace.decode(x, token_ids, basis.detach(), table)
         stream, branch_in = x, x
         if self.decoder is not None:
             branch_in = torch.relu(self.decoder(x))
@@ -208,6 +238,8 @@ class ProtocolBlock(Llama3TransformerBlock):
             ffn = ffn @ basis.to(ffn.dtype).T
         if self.mapl_out is not None:
             return self.mapl_out.encode(h + ffn, token_ids)
+        if self.project_out:
+            return subspace.encode(h + ffn, token_ids, basis.detach(), table)
         return h + ffn
 
 
@@ -221,14 +253,14 @@ class ProtocolModel(Llama3Model):
     lifts and the embedding (the codec uses a detached ``U``: its contributions cancel while the
     invariant holds).
     A non-last stage returns ``c`` ``[mb, seq, k]`` (subspace), ``x`` ``[mb, seq, d]`` (dense)
-    ``b`` ``[mb, seq, h]`` (resbm) or ``c`` ``[mb, seq, r]`` (mapl; both: its last block's
-    output, ``ProtocolBlock``);
+    ``b`` ``[mb, seq, h]`` (resbm), ``c`` ``[mb, seq, r]`` (mapl) or ``c`` ``[mb, seq, k]``
+    (projected; the last three: its last block's output, ``ProtocolBlock``);
     a non-first stage takes that tensor as its positional input and the token ids as a kwarg.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3Model.Config):
-        mode: Literal["subspace", "dense", "resbm", "mapl"] = "subspace"
+        mode: Literal["subspace", "projected", "dense", "resbm", "mapl"] = "subspace"
         k: int = 8
         subspace_seed: int = 1234
         basis_file: str = ""
@@ -242,12 +274,20 @@ class ProtocolModel(Llama3Model):
         loss_chunk_tokens: int = 0
         """> 0: the last stage takes ``labels`` and returns the summed cross-entropy, computed
         this many tokens at a time (``ModelArch.loss_chunk_tokens``)."""
+        freeze_embedding: bool = False
+        """``ModelArch.freeze_embedding``."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.subspace = config.mode == "subspace"
+        """Whether the upstream writers are confined to span(U) (the stream is exact at every
+        boundary)."""
+        self.anchored = config.mode in ANCHORED_MODES
+        """Whether the model holds ``U`` and ``F`` (subspace and projected modes)."""
         self.factored = self.subspace and config.parametrization == "factor"
-        if self.subspace:
+        if config.freeze_embedding and self.tok_embeddings is not None:
+            self.tok_embeddings.weight.requires_grad_(False)
+        if self.anchored:
             self.register_buffer("basis", torch.empty(config.dim, config.k, dtype=torch.float32))
             self.register_buffer(
                 "token_table",
@@ -255,10 +295,10 @@ class ProtocolModel(Llama3Model):
                 persistent=False,
             )
         self.table_sha256 = b""
-        """sha256 of ``F`` as generated (``subspace.generate``); b"" in dense mode."""
+        """sha256 of ``F`` as generated (``subspace.generate``); b"" without ``F``."""
         self.initial_basis_sha256 = b""
         """sha256 of ``U`` as initialized (seeded or from ``basis_file``), before any checkpoint
-        is loaded or subspace update applied; b"" in dense mode."""
+        is loaded or subspace update applied; b"" without ``F``."""
         self.boundary_leak: torch.Tensor | None = None
         """Max ``subspace.leak`` seen at this stage's outgoing boundary since the last reset."""
         self.measure_leak = True
@@ -271,7 +311,7 @@ class ProtocolModel(Llama3Model):
         inputs, whose leak means nothing (and reads NaN where the memory holds NaN)."""
 
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
-        if not self.subspace:
+        if not self.anchored:
             return
         device = buffer_device or self.basis.device
         basis, table, self.table_sha256 = subspace.generate(
@@ -329,9 +369,10 @@ class ProtocolModel(Llama3Model):
         ``IGNORE_INDEX`` (``protocol_models.model.loss.chunked_cross_entropy``)."""
         ids = inputs if self.tok_embeddings is not None else token_ids
         h = self._stream_in(inputs, ids)
-        basis = self.basis if self.factored else None
+        basis = self.basis if self.anchored else None
+        table = self.token_table if self.anchored else None
         for layer in self.layers.values():
-            h = layer(h, attention_masks, positions, basis=basis, token_ids=ids)
+            h = layer(h, attention_masks, positions, basis=basis, token_ids=ids, table=table)
         if self.norm is None:
             return self._stream_out(h, ids)
         if self.config.loss_chunk_tokens:
@@ -363,7 +404,7 @@ class ProtocolModel(Llama3Model):
         the received tensor's dtype, which is what the previous stage computed in."""
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(inputs)
-            if not self.subspace:
+            if not self.anchored:
                 return h
             lifted = h.float() @ self.basis.T if self.factored else h.float()
             return (self.token_table[inputs].float() + lifted).to(h.dtype)
@@ -447,11 +488,13 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
     of every stage but the first (``h = protocol.k``). ``mapl`` builds the dense model with a
     ``MaplCodec`` (``r = protocol.k``, ``m = protocol.anchor_rank``, seed ``protocol.seed + b``
     at boundary ``b``) as ``mapl_out`` of those last blocks and ``mapl_in`` of those first ones.
-    Every other mode builds the dense model.
+    ``projected`` builds the dense model with ``project_out`` on those last blocks and
+    ``project_in`` on those first ones. Every other mode builds the dense model.
     """
     subspace_mode = protocol.mode == "subspace" and n_stages > 1
     bottleneck = protocol.mode == "resbm" and n_stages > 1
     mapl = protocol.mode == "mapl" and n_stages > 1
+    projected = protocol.mode == "projected" and n_stages > 1
     factored = subspace_mode and protocol.parametrization == "factor"
     ranges = stage_layer_ranges(arch.n_layers, n_stages, protocol.layers_per_stage)
     last_stage = ranges[-1]
@@ -514,12 +557,19 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
             )  # fmt: skip
             layers[sender[-1]].mapl_out = codec
             layers[receiver[0]].mapl_in = codec
+    if projected:
+        for sender, receiver in zip(ranges[:-1], ranges[1:], strict=True):
+            layers[sender[-1]].project_out = True
+            layers[receiver[0]].project_in = True
     embed_dim = protocol.k if factored else arch.dim
     return ProtocolModel.Config(
         dim=arch.dim,
         vocab_size=arch.vocab_size,
         loss_chunk_tokens=arch.loss_chunk_tokens,
-        mode="subspace" if subspace_mode else protocol.mode if bottleneck or mapl else "dense",
+        freeze_embedding=arch.freeze_embedding,
+        mode="subspace" if subspace_mode
+        else protocol.mode if bottleneck or mapl or projected
+        else "dense",
         layers_per_stage=protocol.layers_per_stage,
         k=protocol.k,
         subspace_seed=protocol.seed,

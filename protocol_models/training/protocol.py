@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from protocol_models.model.model import ANCHORED_MODES
 from protocol_models.tools.errors import require
 from protocol_models.tools.ranges import AT_LEAST_1, POSITIVE, SEED, OneOf, Range, Ranges
 from protocol_models.wire import modes
@@ -26,7 +27,9 @@ class ProtocolSettings:
     """The compressed-boundary method (TOML table ``[protocol]``)."""
 
     mode: str = "subspace"
-    """``subspace``: boundaries carry k coordinates; ``dense``: the unconstrained d-wide twin;
+    """``subspace``: boundaries carry k coordinates; ``projected``: the same k coordinates,
+    with full-width writers and the projection at the boundary only; ``dense``: the
+    unconstrained d-wide twin;
     ``resbm``/``mapl``: a learned boundary (``protocol_models.model.boundary``);
     a codec's name (``topk``, ``quant``, ``lowrank``, ``svd``, ...: ``wire.codecs.CODECS``): the
     dense twin with that lossy boundary codec (parameters in ``[codec]``)."""
@@ -95,9 +98,9 @@ class ProtocolSettings:
             f"(got {self.mode!r})",
         )
         require(
-            not self.basis_file or self.mode == "subspace",
+            not self.basis_file or self.mode in ANCHORED_MODES,
             f"protocol.basis_file = {self.basis_file!r}: a basis file needs protocol.mode = "
-            f"'subspace' (got {self.mode!r})",
+            f"{' or '.join(repr(m) for m in ANCHORED_MODES)} (got {self.mode!r})",
         )
         if self.rvq_stages:
             self._check_rvq()

@@ -647,7 +647,7 @@ def placement_problem(places: list[RankPlace]) -> str | None:
 def _subspace_digest(model: torch.nn.Module) -> str:
     """sha256 of this stage's current U and of F as generated ("" in dense mode). U is
     ``[d, k]`` (read back once per check); F's digest was taken while generating it."""
-    if not getattr(model, "subspace", False):
+    if not getattr(model, "anchored", False):
         return ""
     digest = hashlib.sha256(model.basis.detach().cpu().contiguous().numpy().tobytes())
     digest.update(model.table_sha256)

@@ -41,12 +41,15 @@ Where they run (both paths call the same ``encode``/``decode`` on the same packe
   rounding draws the same numbers. The receiver's ``x̂`` and its gradient are the same tensors
   as in the pipelined run, so both give the same losses (tested).
 
-**Quantized subspace coordinates.** ``mode = "subspace"`` with ``[codec] bits`` sends the k
+**Quantized subspace coordinates.** ``mode = "subspace"`` (or ``"projected"``: a boundary
+method whose entry is ``quantizable``) with ``[codec] bits`` sends the k
 coordinates ``c = (x - F[ids]) U`` ``[mb, seq, k]`` through the ``quant`` codec: a per-token
 absmax scale (bf16) and ``bits``-bit codes, round-to-nearest forward, unbiased stochastic
 rounding of the gradient coordinates backward; ``k b / 8 + 2`` bytes per token instead of
 ``k itemsize``. In-graph, the hook encodes the stream to ``c``, quantizes it and
-rebuilds ``x̂ = F[ids] + ĉ Uᵀ``, as the next stage would. Without ``bits`` the wire is exact.
+rebuilds ``x̂ = F[ids] + ĉ Uᵀ``, as the next stage would (in ``projected`` mode the block
+before the boundary already returns ``c``, and the hook quantizes it as it is). Without
+``bits`` the wire is exact.
 
 **Adding a codec** is one ``Codec`` subclass decorated with ``@register_codec``: its ``name``
 becomes a ``[protocol] mode``, its ``check`` joins the config check, its ``spec`` sizes the
@@ -67,6 +70,7 @@ import torch
 from torch import nn
 
 from protocol_models.model import subspace
+from protocol_models.model.boundary import BOUNDARIES
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.tools.errors import ConfigError, require
 from protocol_models.tools.ranges import AT_LEAST_1, SEED, Ranges
@@ -117,12 +121,13 @@ class CodecSettings:
         ``microbatch_tokens`` tokens per microbatch (a codec's ``check``)."""
         bits = self.bits
         if bits and "bits" not in self._keys(mode):
-            readers = ["subspace", *(name for name, c in CODECS.items() if "bits" in c.settings)]
+            readers = [*(name for name, b in BOUNDARIES.items() if b.quantizable),
+                       *(name for name, c in CODECS.items() if "bits" in c.settings)]  # fmt: skip
             raise ConfigError(
                 f"codec.bits = {bits}: protocol.mode = {mode!r} does not read it (only "
                 f"{' and '.join(repr(r) for r in readers)} do; codec.bits = 0 turns it off)"
             )
-        if mode == "subspace" and bits:
+        if _quantizable(mode) and bits:
             require(
                 k % (8 // bits) == 0,
                 f"codec.bits = {bits}: protocol.k = {k} must be a multiple of {8 // bits} to "
@@ -141,9 +146,14 @@ class CodecSettings:
         coordinates are quantized."""
         if mode in CODECS:
             return CODECS[mode].settings
-        if mode == "subspace" and self.bits:
+        if _quantizable(mode) and self.bits:
             return Quant.settings
         return ()
+
+
+def _quantizable(mode: str) -> bool:
+    """Whether ``mode`` is a boundary method that ``[codec] bits`` quantizes."""
+    return mode in BOUNDARIES and BOUNDARIES[mode].quantizable
 
 
 def _nbytes(spec: Spec) -> int:
@@ -447,7 +457,7 @@ class TruncatedSVD(Codec):
 def build_codec(mode: str, settings: CodecSettings, dim: int, protocol_seed: int) -> Codec | None:
     """The codec of ``[protocol] mode``: a lossy mode's; ``quant`` on the k coordinates for
     ``subspace`` with ``[codec] bits``; None for the exact wire (``dense``, plain ``subspace``)."""
-    if mode == "subspace" and settings.bits:
+    if _quantizable(mode) and settings.bits:
         return Quant(settings.bits, settings.seed)
     if mode not in CODECS:
         return None

@@ -8,6 +8,7 @@ several recipes share: the codec comparison's harness (``arms``) and the real sh
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -18,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -225,6 +227,65 @@ def repo_relative(path: Path) -> str:
     results written by different clones compare."""
     path = path.resolve()
     return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+
+
+_WRITES = threading.Lock()
+
+
+def write_results(path: Path, results: dict) -> None:
+    """Write a study's ``results.json`` whole: a temporary file renamed over it (a reader, or a
+    session that ends mid-write, sees the old file or the new one), one writer at a time."""
+    with _WRITES:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(".json.partial")
+        staging.write_text(json.dumps(results, indent=1))
+        os.replace(staging, path)
+
+
+def study_main(prog: str, arms: list[str], run_study, report) -> None:
+    """The command line of a resumable study: train the runs its results lack (``--only``: only
+    these arms'; ``run_study(names or None)``), then write its table and plots (``report()``);
+    ``--render-only``: only the latter."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--render-only", action="store_true", help="no training")
+    parser.add_argument("--only", nargs="+", choices=arms, metavar="ARM",
+                        help="train only these arms' missing runs: " +
+                        ", ".join(repr(a) for a in arms))  # fmt: skip
+    args = parser.parse_args()
+    if not args.render_only:
+        run_study(set(args.only) if args.only else None)
+    report()
+
+
+def seed_gaps(row: dict | None, twin: dict | None, seeds) -> list[float] | None:
+    """Per seed, a results row's final validation loss over its dense twin row's, in percent
+    (seed s against the twin's seed s); None until both rows have every seed."""
+    if row is None or twin is None:
+        return None
+    pairs = [(row["seeds"].get(str(s)), twin["seeds"].get(str(s))) for s in seeds]
+    if any(a is None or b is None for a, b in pairs):
+        return None
+    return [100 * (a["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
+            for a, b in pairs]  # fmt: skip
+
+
+def seed_cells(row: dict, seeds, gap: list[float] | None) -> tuple[str, str, float]:
+    """A results row's table cells: its final validation losses (``a / b``, ``-`` for a seed
+    not run), its gaps (``+x / +y (mean +z)``, or ``pending``) and its runs' mean wall time."""
+    entries = [row["seeds"].get(str(s)) for s in seeds]
+    losses = " / ".join(f"{e['final_val_loss']:.4f}" if e else "-" for e in entries)
+    gap_text = "pending" if not gap else (
+        " / ".join(f"{g:+.2f}" for g in gap) + f" (mean {statistics.fmean(gap):+.2f})")  # fmt: skip
+    return losses, gap_text, statistics.fmean(e["wall_s"] for e in entries if e)
+
+
+def write_report(out: Path, table: str, plot) -> None:
+    """Write a study's ``table.md`` (``table``) and its plots (``plot()``) under ``out``, and
+    print the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table)
+    plot()
+    print(table)
 
 
 def validation_curve(dump_folder: Path) -> list[tuple[int, float]]:

@@ -1,0 +1,298 @@
+"""Closing the quality gap at the same bytes: width over precision, constrain only what crosses,
+the token table, and whether the gap levels off.
+
+    python recipes/quality_gap.py                  # trains what results/quality_gap lacks
+    python recipes/quality_gap.py --render-only    # table and plot from its results.json
+    python recipes/quality_gap.py --only "projected k=8 4x2 1200 steps" ...   # only these arms
+
+The reference workload (``configs/reference_cpu.toml``: d = 256, 8 layers, Shakespeare) under
+Muon on the same matrices in every arm, each run one process building the model of its layout
+(``protocol.stages``), two seeds (``debug.seed`` 0 and 1; ``protocol.seed`` fixed). Every gap is
+an arm's final validation loss over its fair dense twin's (same seed, same steps), in percent:
+
+* today's mode, ``subspace`` (every writer upstream of the last boundary confined to span(U)),
+  at k = 8 exact (32 bytes per token per boundary) and 8-bit (10 bytes: 8 codes and a bf16
+  scale);
+* width over precision: ``subspace`` at k = 30 with 8-bit coordinates: 32 bytes per token, the
+  bytes of k = 8 in fp32;
+* constrain only what crosses: ``projected`` mode (full-width writers, the stream projected onto
+  ``F[t] + span(U)`` at each boundary only; ``protocol_models.model.model``) at k = 8 exact and
+  at k = 30 in 8 bits, the same bytes as the subspace arms;
+* layouts: the reference's 4 stages of 2 blocks (``4x2``), where 6 of 8 blocks are constrained,
+  and 2 stages of 4 (``2x4``), where 4 are; the dense twin does not depend on the layout (no
+  block is constrained, and Muon treats every block matrix alike), so both layouts share it;
+* the token table: the dense twin with its embedding frozen at its random initialization
+  (``model.freeze_embedding``): if it loses most of its lead, the frozen table every
+  downstream stage reads tokens through is what the compressed models lack;
+* the token trend: 300, 1,200 and 2,400 steps (warm-up and the validation and checkpoint
+  intervals scaled with the budget). 1,200 steps of 2,048 tokens read the bundled training text
+  (~1.6M tokens) ~1.5 times, 2,400 steps ~3 times.
+
+The dense twins and today's subspace arms at 300 and 1,200 steps are the scale study's runs
+(``results/scale/results.json``, the same overrides), read from there and never retrained.
+
+Each finished run's summary goes into ``results/quality_gap/results.json`` at once, so the study
+resumes from it; a run cut short (a session's end) resumes from its last checkpoint (every
+``steps / 6`` steps) where the run cache ``results/runs`` survives. Wall times are as measured,
+with ``PM_PARALLEL_RUNS`` runs at a time, summed over a resumed run's launches.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from recipes.common import (
+    PARALLEL_RUNS,
+    REFERENCE,
+    REPO,
+    launch_seconds,
+    repo_relative,
+    seed_cells,
+    seed_gaps,
+    study_main,
+    train_cached,
+    validation_curve,
+    wall_seconds,
+    write_report,
+    write_results,
+)
+from recipes.common.arms import wire_bytes
+
+OUT = REPO / "results" / "quality_gap"
+RESULTS = OUT / "results.json"
+SCALE = REPO / "results" / "scale" / "results.json"
+SEEDS = (0, 1)
+REFERENCE_STAGES = 4
+REFERENCE_STEPS = 300
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One row: a boundary method at a width and precision, a layout and a token budget."""
+
+    method: str
+    """``dense``, ``subspace`` or ``projected`` (``[protocol] mode``)."""
+    k: int = 8
+    bits: int = 0
+    """``[codec] bits`` of the coordinates (0: exact, fp32)."""
+    stages: int = REFERENCE_STAGES
+    steps: int = REFERENCE_STEPS
+    frozen_embedding: bool = False
+    scale_name: str | None = None
+    """The scale study's name of this arm, whose runs it reads instead of training."""
+
+    @property
+    def name(self) -> str:
+        if self.method == "dense":
+            what = "dense, frozen embedding" if self.frozen_embedding else "dense"
+            return f"{what} {self.steps} steps"
+        bits = f" {self.bits}-bit" if self.bits else ""
+        layers = 8 // self.stages
+        return f"{self.method} k={self.k}{bits} {self.stages}x{layers} {self.steps} steps"
+
+    @property
+    def twin(self) -> Arm:
+        """The fair dense twin: the same steps and seeds, every block unconstrained."""
+        return dense(self.steps)
+
+    def overrides(self, seed: int) -> list[str]:
+        """The run's overrides of the reference workload (a checkpoint every ``steps / 6``
+        steps, the newest two kept: a run cut short resumes). The scale study's arms are never
+        trained here: their overrides are the ones its results record."""
+        budget = []
+        if self.steps != REFERENCE_STEPS:
+            warmup = str(20 * self.steps // REFERENCE_STEPS)
+            budget = ["--training.steps", str(self.steps), "--lr_scheduler.warmup_steps",
+                      warmup, "--validator.freq", str(self.steps // 6)]  # fmt: skip
+        checkpoints = ["--checkpoint.interval", str(self.steps // 6),
+                       "--checkpoint.keep_latest_k", "2"]  # fmt: skip
+        method = [] if self.method == "subspace" else ["--protocol.mode", self.method]
+        width = ["--protocol.k", str(self.k)] if self.k != 8 else []
+        bits = ["--codec.bits", str(self.bits)] if self.bits else []
+        layout = ["--protocol.stages", str(self.stages)] if self.stages != REFERENCE_STAGES else []
+        frozen = ["--model.freeze_embedding"] if self.frozen_embedding else []
+        return [*budget, *checkpoints, *method, *width, *bits, *layout, *frozen,
+                "--optimizer.name", "muon", "--debug.seed", str(seed)]  # fmt: skip
+
+
+def dense(steps: int) -> Arm:
+    return Arm("dense", steps=steps, scale_name=f"d=256 dense {steps} steps" if steps in
+               (300, 1200) else None)  # fmt: skip
+
+
+def today(steps: int, bits: int = 0) -> Arm:
+    scale = f"d=256 {'8-bit' if bits else 'exact'} {steps} steps" if steps in (300, 1200) else None
+    return Arm("subspace", bits=bits, steps=steps, scale_name=scale)
+
+
+SAME_BYTES = [Arm("subspace", k=30, bits=8), Arm("projected"), Arm("projected", k=30, bits=8)]
+"""The same-bytes candidates at the reference layout (32 bytes per token per boundary)."""
+PHASES: list[list[Arm]] = [
+    [dense(1200), today(1200), today(1200, 8),
+     *(Arm(a.method, a.k, a.bits, steps=1200) for a in SAME_BYTES)],
+    [dense(300), today(300), today(300, 8), *SAME_BYTES],
+    [Arm("subspace", stages=2), Arm("projected", stages=2)],
+    [Arm("dense", steps=1200, frozen_embedding=True)],
+    [dense(2400), today(2400)],
+]  # fmt: skip
+"""The order the study trains in: the same-bytes candidates at 1,200 steps (the acceptance
+budget), their 300-step points (does the gap widen?), the 2-stage layout, the token-table
+diagnostic, the 2,400-step pair. A session that stops between phases leaves complete rows."""
+ARMS = [a for phase in PHASES for a in phase]
+
+
+def load_results() -> dict:
+    """This study's results, with the scale study's runs of the arms it shares read in."""
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": {}}
+    scale = json.loads(SCALE.read_text())["runs"]
+    for arm in ARMS:
+        if arm.scale_name and arm.scale_name in scale:
+            row = dict(scale[arm.scale_name], source=repo_relative(SCALE))
+            row["seeds"] = {s: {key: e[key] for key in ("overrides", "val_curve",
+                            "final_val_loss", "wall_s") if key in e}
+                            for s, e in row["seeds"].items()}  # fmt: skip
+            results["runs"][arm.name] = row
+    return results
+
+
+_SAVE = threading.Lock()
+"""Held while a run's entry joins the results and they are written."""
+
+
+def save(results: dict) -> None:
+    """Write the study's own runs (not the rows read from the scale study)."""
+    own = {name: row for name, row in results["runs"].items() if "source" not in row}
+    write_results(RESULTS, {"runs": own})
+
+
+def bytes_per_token(arm: Arm) -> dict:
+    """Bytes per token per boundary forward, and the compression ratio against the dense
+    wire (``recipes.common.arms.wire_bytes`` of the run's config)."""
+    over = arm.overrides(0)
+    b = wire_bytes(REFERENCE, over)
+    tokens = 8 * 256 * (arm.stages - 1)  # the reference: batch 8 x 256 tokens per step
+    return {"fwd_bytes_per_token": b["fwd"] / tokens, "ratio": b["dense"] / (b["fwd"] + b["bwd"])}
+
+
+def measure(arm: Arm, seed: int) -> dict:
+    """Train (or find in the run cache) one run and summarize it."""
+    over = arm.overrides(seed)
+    folder = train_cached(over)
+    curve = validation_curve(folder)
+    return {"run": repo_relative(folder), "overrides": over, "val_curve": curve,
+            "final_val_loss": curve[-1][1], "wall_s": wall_seconds(folder),
+            "launches": len(launch_seconds(folder))}  # fmt: skip
+
+
+def run_study(names: set[str] | None = None) -> None:
+    """Train every run results.json lacks, phase by phase (with ``names``, only those arms')."""
+    results = load_results()
+    for phase in PHASES:
+        jobs = [(a, s) for a in phase if names is None or a.name in names for s in SEEDS
+                if str(s) not in results["runs"].get(a.name, {}).get("seeds", {})]  # fmt: skip
+
+        def one(job):
+            arm, seed = job
+            entry = measure(arm, seed)
+            with _SAVE:
+                row = results["runs"].setdefault(arm.name, {"arm": asdict(arm),
+                                                            **bytes_per_token(arm), "seeds": {}})
+                row["seeds"][str(seed)] = entry
+            save(results)
+            print(f"done: {arm.name} seed {seed} ({entry['wall_s']:.0f} s)", flush=True)
+
+        with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+            list(pool.map(one, jobs))
+
+
+def gaps(results: dict, arm: Arm) -> list[float] | None:
+    """Per seed, the arm's gap to its dense twin in percent (``seed_gaps``)."""
+    runs = results["runs"]
+    return seed_gaps(runs.get(arm.name), runs.get(arm.twin.name), SEEDS)
+
+
+def render_table(results: dict) -> str:
+    lines = [
+        "| arm | bytes/token fwd | ratio | final val loss (seed 0 / 1) "
+        "| gap vs dense twin, % (seed 0 / 1) | wall s per run (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm in ARMS:
+        row = results["runs"].get(arm.name)
+        if row is None:
+            lines.append(f"| {arm.name} | | | not run yet | | |")
+            continue
+        sizes = bytes_per_token(arm)
+        losses, gap, wall = seed_cells(row, SEEDS, gaps(results, arm))
+        gap = "" if arm.method == "dense" and not arm.frozen_embedding else gap
+        source = " (scale study)" if "source" in row else ""
+        lines.append(
+            f"| {arm.name}{source} | {sizes['fwd_bytes_per_token']:.0f} | {sizes['ratio']:.0f}x "
+            f"| {losses} | {gap} | {wall:.0f} |"
+        )
+    lines += ["", "Does the gap widen with tokens (percentage points from 300 to 1,200 steps, "
+              "per seed)?", ""]  # fmt: skip
+    for short in [a for a in ARMS if a.steps == REFERENCE_STEPS and a.method != "dense"
+                  and a.stages == REFERENCE_STAGES]:  # fmt: skip
+        long = Arm(short.method, short.k, short.bits, steps=1200)
+        a, b = gaps(results, short), gaps(results, long)
+        change = ", ".join(f"{y - x:+.2f}" for x, y in zip(a, b, strict=True)) if a and b else (
+            "pending")  # fmt: skip
+        lines.append(f"- {short.name.removesuffix(' 300 steps')}: {change}")
+    trained = [e for row in results["runs"].values() if "source" not in row
+               for e in row["seeds"].values()]  # fmt: skip
+    hours = sum(e["wall_s"] for e in trained) / 3600
+    lines += ["", f"This study trained {len(trained)} runs so far ({hours:.1f} h of wall time, "
+              "one process on one core each); the rows marked (scale study) are that study's "
+              "runs, read from results/scale/results.json."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[Arm]] = {}
+    for arm in ARMS:
+        if arm.method != "dense" and arm.stages == REFERENCE_STAGES:
+            series.setdefault(arm.name.rsplit(" ", 2)[0], []).append(arm)
+    for label, arms in series.items():
+        points = [(a.steps, g) for a in arms if (g := gaps(results, a))]
+        if not points:
+            continue
+        steps = [s for s, _ in points]
+        means = [statistics.fmean(g) for _, g in points]
+        spread = [[m - min(g) for m, (_, g) in zip(means, points, strict=True)],
+                  [max(g) - m for m, (_, g) in zip(means, points, strict=True)]]  # fmt: skip
+        axis.errorbar(steps, means, yerr=spread, marker="o", capsize=4, label=label)
+    axis.axhline(0, color="grey", lw=0.8)
+    axis.axhline(1.0, color="grey", lw=0.8, ls="--")
+    axis.set(xscale="log", xlabel="training steps (d = 256, 4 stages x 2 blocks)",
+             ylabel="gap vs dense twin (%)",
+             title="Same-bytes levers (2 seeds, range)")  # fmt: skip
+    axis.set_xticks([300, 1200, 2400], ["300", "1200", "2400"])
+    axis.set_xticks([], minor=True)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "quality_gap.png", dpi=120)
+
+
+def report() -> None:
+    results = load_results()
+    write_report(OUT, render_table(results), lambda: plot(results))
+
+
+def main() -> None:
+    study_main("python recipes/quality_gap.py", [a.name for a in ARMS], run_study, report)
+
+
+if __name__ == "__main__":
+    main()
