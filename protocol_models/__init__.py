@@ -1,9 +1,6 @@
 """Protocol Models: subspace-compressed pipeline parallelism as a TorchTitan plugin.
 
-Importing the package first installs the CPU device shim (a no-op when an accelerator exists),
-because TorchTitan binds its device type at import time.
+Importing the package changes nothing in TorchTitan or torch. A worker that trains on the CPU
+binds TorchTitan to it explicitly at launch (``protocol_models.tools.cpu_shim.install``, which
+``protocol_models.train`` calls before it imports any TorchTitan module that reads the device).
 """
-
-from protocol_models.tools import cpu_shim
-
-DEVICE_TYPE = cpu_shim.install()

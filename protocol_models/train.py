@@ -1,7 +1,9 @@
 """Worker entry point: ``torchrun ... -m protocol_models.train --toml FILE [--section.key value]``.
 
-The config is checked before anything else (one ``error:`` line and exit code 2 on bad input);
-then TorchTitan's real Trainer runs, as ``torchtitan.train.main`` would run it. Every error,
+A CPU worker first binds TorchTitan to the CPU (``tools.cpu_shim.install``: the launch's explicit
+opt-in, before any TorchTitan module that reads the device is imported). The config is checked
+before anything else (one ``error:`` line and exit code 2 on bad input); then TorchTitan's real
+Trainer runs, as ``torchtitan.train.main`` would run it. Every error,
 user error or bug, is also recorded in torchelastic's per-worker error file, from which the
 launcher (``protocol_models.launch``) reports the first failing rank even when its output is
 hidden by the log filter.
@@ -16,13 +18,9 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from protocol_models.cluster import fsdp_probe
-from protocol_models.cluster.fsdp_probe import FSDP_PROBE_ENV
-from protocol_models.config.run_config import load_config, split_argv, usage_asked
-from protocol_models.tools import nccl_rules
+from protocol_models.config.toml_tables import usage_asked
+from protocol_models.tools import cpu_shim
 from protocol_models.tools.errors import USER_ERROR_FILE_ENV, LinkFault, UserError
-from protocol_models.training import console
-from protocol_models.training.stall_watch import end_worker
 
 
 @record  # a bug's traceback goes to the error file (and is raised on)
@@ -33,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if usage_asked(argv, __doc__):
         return 0
+    cpu_shim.install()
+    from protocol_models.config.run_config import split_argv
+    from protocol_models.training.stall_watch import end_worker
+
     try:
         run(*split_argv(argv))
     except LinkFault as e:  # a peer went silent or its connection broke: a restart recovers
@@ -67,12 +69,17 @@ def exit_now(code: int) -> None:
 
 
 def run(toml_path: str | None, overrides: list[str]) -> None:
+    """Check the config, build the trainer and train (or write the seed checkpoint)."""
+    from torchtitan.tools.logging import init_logger, logger
+
+    from protocol_models.cluster import fsdp_probe
+    from protocol_models.config.run_config import load_config
+    from protocol_models.tools import nccl_rules
+    from protocol_models.training import console
+
     if nccl_rules.enabled():  # a CPU test of the NCCL path (PM_NCCL_RULES)
         nccl_rules.install()
     config = load_config(toml_path, overrides)
-
-    from torchtitan.tools.logging import init_logger, logger
-
     init_logger()
     console.quiet_misleading(logger)
     trainer = config.build()
@@ -84,7 +91,7 @@ def run(toml_path: str | None, overrides: list[str]) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-            if os.environ.get(FSDP_PROBE_ENV) == "1":  # scripts/gpu_check.sh
+            if os.environ.get(fsdp_probe.FSDP_PROBE_ENV) == "1":  # scripts/gpu_check.sh
                 fsdp_probe.measure(trainer)
     finally:
         trainer.close()

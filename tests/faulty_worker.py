@@ -19,6 +19,9 @@ FAULT = "CUDA error: an illegal memory access was encountered (simulated on rank
 
 def main() -> int:
     from protocol_models import train
+    from protocol_models.tools import cpu_shim
+
+    cpu_shim.install()  # as train.main does, before the trainer is imported here
     from protocol_models.training.trainer import ProtocolTrainer
 
     if os.environ.get("FAULT", "device") == "data":

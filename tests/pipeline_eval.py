@@ -17,6 +17,9 @@ import torch.distributed as dist
 
 
 def main() -> None:
+    from protocol_models.tools import cpu_shim
+
+    cpu_shim.install()  # as protocol_models.train does
     from protocol_models.config.run_config import load_config, split_argv
 
     config = load_config(*split_argv(sys.argv[1:]))

@@ -22,12 +22,11 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     """Checks against the file system: the basis file, data, tokenizer, dump folder, checkpoint
     to resume. The bundled Shakespeare data, when read and not yet prepared, is left to
     ``scripts/train.sh`` (which prepares it before the workers start; they check again)."""
-    from protocol_models import DEVICE_TYPE
     from protocol_models.data import corpus
     from protocol_models.data import loader as data
     from protocol_models.tools import cpu_shim, nccl_rules
 
-    cpu_shim.check_device(config.hardware.device, DEVICE_TYPE)
+    cpu_shim.check_device(config.hardware.device, cpu_shim.launch_device())
     nccl_rules.mode()  # a bad PM_NCCL_RULES is one line here, not in every worker
     if config.protocol.basis_file:
         read_basis(config.protocol.basis_file, config.model.dim, config.protocol.k)

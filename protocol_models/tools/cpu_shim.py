@@ -1,11 +1,15 @@
-"""Run TorchTitan's real Trainer on a machine without an accelerator.
+"""Run TorchTitan's real Trainer on a machine without an accelerator: an explicit opt-in at
+launch, never an import side effect.
 
 TorchTitan 0.3.0 resolves ``device_type``/``device_module`` once, at import time of
 ``torchtitan.tools.utils``, and falls back to ``"cuda"`` when no accelerator exists. About eight
-modules then re-export those names. This shim must therefore run before any other torchtitan
-import: it imports ``torchtitan.tools.utils`` alone, and if no accelerator is present rebinds the
-two names to ``"cpu"`` and a small stand-in for ``torch.cuda``'s device-module interface. With an
-accelerator present it does nothing (unless ``PROTOCOL_MODELS_DEVICE=cpu``).
+modules then re-export those names, and TorchTitan offers no setting for the device. So a CPU
+worker calls ``install`` first thing (``protocol_models.train`` does, before it imports the
+trainer): it imports ``torchtitan.tools.utils`` alone and, when the launch asks for the CPU
+(``PROTOCOL_MODELS_DEVICE=cpu``, which ``scripts/train.sh`` sets for ``[hardware] device =
+"cpu"``) or no accelerator exists, rebinds the two names to ``"cpu"`` and a small stand-in for
+``torch.cuda``'s device-module interface. It is the one assignment to another package's
+attribute outside the NCCL-rules test mode (``tools.nccl_rules``); the tests pin both.
 
 Binding is not permission: ``check_device`` (run by the config check, before any worker, and in
 every worker) refuses to train on the CPU unless the config says ``[hardware] device = "cpu"``,
@@ -53,15 +57,33 @@ def _cpu_device_module() -> types.SimpleNamespace:
     )
 
 
-def install() -> str:
-    """Make TorchTitan target the CPU when no accelerator exists, or when the environment says
-    ``PROTOCOL_MODELS_DEVICE=cpu`` (``scripts/train.sh`` sets it for ``[hardware] device =
-    "cpu"``); return the device type. Whether the run may use it is ``check_device``'s call.
+def bound_device() -> str:
+    """The device type TorchTitan is bound to in this process (``cpu`` after ``install``)."""
+    import torchtitan.tools.utils as titan_utils
 
-    Raises if TorchTitan modules that captured the old device binding are already imported.
-    """
+    return titan_utils.device_type
+
+
+def launch_device() -> str:
+    """The device type a worker launched in this environment binds TorchTitan to: ``cpu`` when
+    the launch asks for it (``PROTOCOL_MODELS_DEVICE=cpu``) or no accelerator exists, else the
+    accelerator's. The config check compares ``[hardware] device`` with it before any worker
+    starts."""
     if torch.accelerator.is_available() and os.environ.get(DEVICE_ENV) != "cpu":
         return torch.accelerator.current_accelerator().type
+    return "cpu"
+
+
+def install() -> str:
+    """Bind TorchTitan to the CPU when ``launch_device`` says so (a no-op otherwise); return the
+    device type. Whether the run may use it is ``check_device``'s call.
+
+    Raises if TorchTitan modules that captured the old device binding are already imported (a
+    second call once bound is a no-op).
+    """
+    device = launch_device()
+    if device != "cpu" or bound_device() == "cpu":  # nothing to bind, or bound already
+        return device
     if _PATCHED_AFTER in sys.modules:
         raise RuntimeError(
             "protocol_models.tools.cpu_shim.install() must run before torchtitan.trainer is "

@@ -411,7 +411,7 @@ class GuardedOptimizers(OptimizersContainer):
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient of every rank is finite, read from the global gradient norm
-        the step's clipping already reduced over every rank (``trainer.exchanging_grad_norm``: the
+        the step's clipping already reduced over every rank (``step.StepClipping``: the
         pipeline all-reduce over the per-stage norms, each a full norm over its data-parallel
         shards): a norm is finite iff every gradient it covers is. No collective of its own,
         one host read per step."""
@@ -478,9 +478,9 @@ class OptimizerSettings:
     def _resolved_implementation(self) -> str:
         if self.implementation != "auto":
             return self.implementation
-        from protocol_models import DEVICE_TYPE
+        from protocol_models.tools.cpu_shim import bound_device
 
-        return "foreach" if DEVICE_TYPE == "cpu" else "fused"
+        return "foreach" if bound_device() == "cpu" else "fused"
 
     def to_container_config(self, projection_lr: float | None = None) -> GuardedOptimizers.Config:
         """TorchTitan's container config; ``projection_lr``: MAPL's projections (``PROJECTIONS``)

@@ -20,13 +20,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import socket
-import time
-import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -34,11 +30,8 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torchtitan import trainer as torchtitan_trainer
 from torchtitan.components.validate import Validator
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
@@ -59,6 +52,7 @@ from protocol_models.training.optimizers import bind_subspace
 from protocol_models.training.protocol import ProtocolSettings
 from protocol_models.training.samples import sample_at_validation
 from protocol_models.training.stall_watch import StallWatch
+from protocol_models.training.step import StepClipping, optimizer_step
 from protocol_models.wire import Wire
 from protocol_models.wire.async_schedule import ASYNC_SCHEDULE
 from protocol_models.wire.boundary_groups import follows_nccl
@@ -424,22 +418,25 @@ class ProtocolTrainer(Trainer):
         # Async1F1B: a log step between flushes gathers its rows without stopping the pipeline
         self.metrics_processor.gather_later = not flush and self.parallel_dims.pp_enabled
         rows = measure and self._rows_travel_with_norm()
+        clip = StepClipping(
+            optimizers=self.optimizers,
+            exchange=self.norm_exchange,
+            wire=self.wire,
+            metrics=self.metrics_processor,
+            delayed=self.delayed,
+            schedule_done=self._post_next_step if self._training_step_follows() else None,
+            metrics_row=self._metrics_row if rows else None,
+        )
+        clip.begin()
         try:
-            with exchanging_grad_norm(
-                self.optimizers,
-                self.norm_exchange,
-                self.wire,
-                delayed=self.delayed,
-                schedule_done=self._post_next_step if self._training_step_follows() else None,
-                metrics_row=self._metrics_row if rows else None,
-                metrics=self.metrics_processor,
-            ):
-                super().train_step(data_iterator)
+            optimizer_step(self, data_iterator, clip)
         except RuntimeError as e:  # a send, a collective: a peer's connection closed or broke
             fault = as_link_fault(e, f"step {self.step}: a message to or from another rank")
             if fault is None:
                 raise
             raise fault from e
+        finally:
+            clip.end()
         if flush:  # every record written before a validation's, a checkpoint, the end
             self.metrics_processor.finish_record()
         if self.stall_watch is not None:
@@ -466,17 +463,6 @@ class ProtocolTrainer(Trainer):
             step % ckpt.interval == 0 or (step == 1 and ckpt.enable_first_step_checkpoint)
         )
         return saves or not self._training_step_follows()
-
-    def train(self) -> None:
-        """TorchTitan's training loop, without the 2 s its rank 0 sleeps at the end "for other
-        ranks to complete": here every rank meets the others in a barrier before the process
-        group is torn down (``protocol_models.train``), which waits exactly as long as needed."""
-        no_sleep = types.SimpleNamespace(**{**vars(time), "sleep": lambda seconds: None})
-        torchtitan_trainer.time = no_sleep
-        try:
-            super().train()
-        finally:
-            torchtitan_trainer.time = time
 
     def _training_step_follows(self) -> bool:
         """Whether the next schedule step of this run is surely another training step: not the
@@ -515,67 +501,6 @@ class ProtocolTrainer(Trainer):
         for more in self._step_losses[1:]:
             loss.add_(more)
         return self.metrics_processor.stage_row(loss, loss)
-
-
-@contextlib.contextmanager
-def exchanging_grad_norm(
-    optimizers,
-    exchange: NormExchange | None,
-    wire: Wire,
-    *,
-    delayed: DelayedUpdates | None = None,
-    schedule_done: Callable[[], None] | None = None,
-    metrics_row: Callable[[], torch.Tensor] | None = None,
-    metrics: ProtocolMetricsProcessor | None = None,
-):
-    """For one TorchTitan ``train_step``: its gradient clipping (``clip_grad_norm_``) reduces the
-    norm over the pipeline stages with ``exchange`` (``wire.norm_exchange``: no all-reduce on
-    the critical path across the slow links) instead of an all-reduce -- everything else as
-    TorchTitan does it (the norm over each stage's FSDP shards, then ``clip_grads_with_norm_``)
-    -- and hands the global norm to the optimizer container, whose non-finite guard reads it
-    instead of agreeing on a flag in a collective of its own. Without pipeline parallelism,
-    with expert parallelism or a norm other than 2, TorchTitan's own clipping runs (with
-    pipeline parallelism its all-reduce is counted on ``wire``'s meter and link).
-
-    ``schedule_done`` runs first thing in the clipping (the step's schedule is over). With
-    ``metrics_row`` (a log step), this stage's metrics row (``[width]`` float64) travels in the
-    exchange, and every stage's rows go to ``metrics.exchanged_rows`` for the log. With ``delayed``
-    (``Async1F1B``) the clipping gathers the step's due updates instead, each clipped by its own
-    norm (``DelayedUpdates.collect``: the norms travel in batch-keyed exchanges of their own)."""
-    clip = dist_utils.clip_grad_norm_
-
-    def clip_exchanged(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
-                       foreach=None, pp_mesh=None, ep_enabled=False):  # fmt: skip
-        if schedule_done is not None:
-            schedule_done()
-        if delayed is not None:
-            norm = delayed.collect(max_norm, foreach)
-        elif exchange is None or pp_mesh is None or ep_enabled or norm_type != 2.0:
-            norm = clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh,
-                        ep_enabled)  # fmt: skip
-            if pp_mesh is not None:  # its all-reduce over the pipeline group
-                wire.collective("grad_norm", "all_reduce", pp_mesh.size())
-        else:
-            parameters = list(parameters)
-            grads = [p.grad for p in parameters if p.grad is not None]
-            local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-            if isinstance(local, DTensor):  # partial over the data-parallel shards
-                local = local.full_tensor()
-            norm = exchange.global_norm(local, metrics_row() if metrics_row else None)
-            if metrics_row is not None:
-                metrics.exchanged_rows = exchange.rows
-            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach)
-        optimizers.reduced_grad_norm = norm
-        return norm
-
-    if exchange is not None and delayed is None:
-        exchange.post(metrics.stage_row_width() if metrics_row else 0)
-    dist_utils.clip_grad_norm_ = clip_exchanged
-    try:
-        yield
-    finally:
-        dist_utils.clip_grad_norm_ = clip
-        optimizers.reduced_grad_norm = None
 
 
 class RankPlace(NamedTuple):

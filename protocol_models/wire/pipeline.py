@@ -30,9 +30,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.models.llama3 import parallelize_llama
 
-from protocol_models import DEVICE_TYPE
 from protocol_models.model.layout import stage_layer_ranges
-from protocol_models.tools.cpu_shim import gloo_fsdp_reductions
+from protocol_models.tools.cpu_shim import bound_device, gloo_fsdp_reductions
 from protocol_models.wire import Wire
 from protocol_models.wire.async_schedule import ASYNC_SCHEDULE, ScheduleAsync1F1B
 from protocol_models.wire.codecs import install_in_graph
@@ -137,7 +136,7 @@ def parallelize_protocol(model: nn.Module, *, wire: Wire, n_stages: int, microba
             apply_compile(model, compile_config=compile_config, parallel_dims=dims)
         return model
     model = parallelize_llama(model, **parallelize_kwargs)
-    if DEVICE_TYPE == "cpu":
+    if bound_device() == "cpu":
         gloo_fsdp_reductions(model)
     if wire.codec is not None:
         install_in_graph(model, wire.codec, n_stages, microbatch)

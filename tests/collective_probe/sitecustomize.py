@@ -30,16 +30,19 @@ import time
 import torch
 import torch.distributed as dist
 
-import protocol_models.cluster.fsdp_probe
-import protocol_models.model.model
-import protocol_models.training.grassmann
-import protocol_models.training.mapl_sync
-import protocol_models.training.metrics
-import protocol_models.training.optimizers
-import protocol_models.training.trainer
-import protocol_models.wire.norm_exchange
-import protocol_models.wire.stage
-from protocol_models.tools import nccl_rules
+from protocol_models.tools import cpu_shim
+
+cpu_shim.install()  # as protocol_models.train does, before the trainer is imported here
+import protocol_models.cluster.fsdp_probe  # noqa: E402
+import protocol_models.model.model  # noqa: E402
+import protocol_models.training.grassmann  # noqa: E402
+import protocol_models.training.mapl_sync  # noqa: E402
+import protocol_models.training.metrics  # noqa: E402
+import protocol_models.training.optimizers  # noqa: E402
+import protocol_models.training.trainer  # noqa: E402
+import protocol_models.wire.norm_exchange  # noqa: E402
+import protocol_models.wire.stage  # noqa: E402
+from protocol_models.tools import nccl_rules  # noqa: E402
 
 if nccl_rules.enabled():  # the probe's checks wrap the rules' point-to-point calls
     nccl_rules.install()
