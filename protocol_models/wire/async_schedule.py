@@ -35,7 +35,16 @@ Receives: all of a training call's receives (its batch's activations and gradien
 at its start, into the wire's own buffers (``WirePipelineStage`` in asynchronous mode), and each
 is waited right before its compute; sends are fired at once and waited two calls later (under
 gloo's receiver-driven transport a send completes only when its receive was posted), all of them
-at a flush. Only public stage and ``torch.distributed`` APIs are used.
+at a flush.
+
+The schedule overrides ``PipelineScheduleSingle._step_microbatches``, the method torch's own
+single-stage schedules implement, and uses the base class's private helpers as they do:
+``_check_inputs``, ``_initialize_stage`` (metadata inference), ``_maybe_compute_loss``,
+``_maybe_get_loss``, ``_update_losses`` and the attributes ``_stage``, ``_n_microbatches``,
+``_has_backward``; of the stage, the public ``forward_one_chunk``, ``backward_one_chunk``,
+``get_fwd_send_ops``/``get_bwd_send_ops`` and ``output_chunks`` (the stage keeps a trailing
+batch's forward caches through ``WirePipelineStage.clear_runtime_states``). All are pinned by
+``protocol_models.tools.private_api``.
 """
 
 from __future__ import annotations
@@ -44,7 +53,6 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -103,34 +111,16 @@ class ScheduleAsync1F1B(PipelineScheduleSingle):
         """The next training call runs step ``step``'s batch; ``flush``: and drains after it."""
         self.batch, self.flush = step, flush
 
-    def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None,
-             arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):  # fmt: skip
-        """One call: a training step's batch (``PipelineScheduleSingle.step``'s contract), or with
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                           return_outputs=True, loss_kwargs=None):  # fmt: skip
+        """One call (``PipelineScheduleSingle.step`` runs it after its checks, the stage's
+        ``clear_runtime_states`` and the microbatch split): a training step's batch, or with
         backward disabled (``eval``) a forward-only pass over an empty pipeline."""
-        if self._has_backward and not torch.is_grad_enabled():
-            raise RuntimeError("Async1F1B.step needs gradients enabled; use eval()")
         if not self._has_backward and self.trailing is not None:
             raise RuntimeError(
                 f"evaluation with batch {self.trailing}'s backwards still in the pipeline: "
                 "the training step before an evaluation must flush"
             )
-        stage = self._stage
-        stage.has_backward = self._has_backward
-        if self.trailing is None:
-            stage.clear_runtime_states()
-        else:  # the trailing batch's forward caches stay; only the last stage merges outputs
-            stage.output_chunks.clear()
-        args_split, kwargs_split, targets_split = self._get_microbatch_inputs(
-            args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs
-        )
-        self._step_microbatches(args_split, kwargs_split, targets_split, losses,
-                                return_outputs, loss_kwargs=loss_kwargs)  # fmt: skip
-        if stage.is_last and return_outputs:
-            return self._merge_outputs(stage.output_chunks)
-        return None
-
-    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
-                           return_outputs=True, loss_kwargs=None):  # fmt: skip
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
         self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
@@ -158,12 +148,19 @@ class ScheduleAsync1F1B(PipelineScheduleSingle):
         if self.flush:
             for j in range(n - w, n):
                 self._backward(j, batch)
-            self.trailing, self.drained = None, True
+            self._trail(None)
+            self.drained = True
             self._wait_sends(keep=0)
             stage.check_drained()
         else:
-            self.trailing = batch if w else None
+            self._trail(batch if w else None)
         self._update_losses(stage, losses)
+
+    def _trail(self, batch: int | None) -> None:
+        """``batch``'s last backwards run in the next call (None: none); the stage keeps their
+        forward caches across the call's start."""
+        self.trailing = batch
+        self._stage.keep_forward_caches = batch is not None
 
     def _forward(self, j, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs) -> None:
         stage = self._stage

@@ -142,6 +142,9 @@ class WirePipelineStage(PipelineStage):
         self.compute_dtype = torch.float32
         """Asynchronous mode: the forwards' autocast dtype (float32: no autocast); the stage
         module is not FSDP-wrapped then (``wire.pipeline``)."""
+        self.keep_forward_caches = False
+        """Asynchronous mode: a batch's backwards still trail in the pipeline, so the next
+        schedule call's ``clear_runtime_states`` keeps their forward caches."""
         self._described: set[str] = set()
         wire.stages.append(self)
 
@@ -151,6 +154,15 @@ class WirePipelineStage(PipelineStage):
             raise ValueError("the asynchronous schedule needs transport.prepost_receives = true")
         self.asynchronous = True
         self.versions = WeightVersions(self.submod)
+
+    def clear_runtime_states(self) -> None:
+        """Between schedule calls: torch's clearing, except that while a batch's backwards
+        trail (``keep_forward_caches``) only the outputs are cleared (their forward caches and
+        input buffers serve the backwards of the next call)."""
+        if not self.keep_forward_caches:
+            super().clear_runtime_states()
+        else:
+            self.output_chunks.clear()
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         if not self.asynchronous:
