@@ -131,17 +131,19 @@ def today(steps: int, bits: int = 0) -> Arm:
 
 SAME_BYTES = [Arm("subspace", k=30, bits=8), Arm("projected"), Arm("projected", k=30, bits=8)]
 """The same-bytes candidates at the reference layout (32 bytes per token per boundary)."""
+SAME_BYTES_1200 = [Arm(a.method, a.k, a.bits, steps=1200) for a in SAME_BYTES]
 PHASES: list[list[Arm]] = [
-    [dense(1200), today(1200), today(1200, 8),
-     *(Arm(a.method, a.k, a.bits, steps=1200) for a in SAME_BYTES)],
-    [dense(300), today(300), today(300, 8), *SAME_BYTES],
+    [dense(1200), today(1200), today(1200, 8), SAME_BYTES_1200[0], SAME_BYTES_1200[1],
+     Arm("dense", steps=1200, frozen_embedding=True)],
+    [dense(300), today(300), today(300, 8), *SAME_BYTES[:2]],
     [Arm("subspace", stages=2), Arm("projected", stages=2)],
-    [Arm("dense", steps=1200, frozen_embedding=True)],
+    [SAME_BYTES_1200[2], SAME_BYTES[2]],
     [dense(2400), today(2400)],
 ]  # fmt: skip
-"""The order the study trains in: the same-bytes candidates at 1,200 steps (the acceptance
-budget), their 300-step points (does the gap widen?), the 2-stage layout, the token-table
-diagnostic, the 2,400-step pair. A session that stops between phases leaves complete rows."""
+"""The order the study trains in: the width and projection levers at 1,200 steps (the
+acceptance budget) with the token-table diagnostic, their 300-step points (does the gap
+widen?), the 2-stage layout, the two levers combined, the 2,400-step pair. A session that stops
+between phases leaves complete rows."""
 ARMS = [a for phase in PHASES for a in phase]
 
 
@@ -189,10 +191,11 @@ def measure(arm: Arm, seed: int) -> dict:
 
 
 def run_study(names: set[str] | None = None) -> None:
-    """Train every run results.json lacks, phase by phase (with ``names``, only those arms')."""
+    """Train every run results.json lacks, phase by phase, every arm's first seed before any
+    second one (with ``names``, only those arms')."""
     results = load_results()
     for phase in PHASES:
-        jobs = [(a, s) for a in phase if names is None or a.name in names for s in SEEDS
+        jobs = [(a, s) for s in SEEDS for a in phase if names is None or a.name in names
                 if str(s) not in results["runs"].get(a.name, {}).get("seeds", {})]  # fmt: skip
 
         def one(job):
