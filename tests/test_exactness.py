@@ -136,11 +136,11 @@ def test_mapl_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
 
 def test_projected_pipelined_equal_in_graph(tmp_path, seed_checkpoint):
     """``projected`` mode (full-width writers, the stream projected onto ``F + span(U)`` at
-    the boundary only) with 8-bit coordinates: two processes train exactly as one process with
-    the boundary in-graph, and the wire carries the bytes the subspace mode's 8-bit wire does,
-    forward and backward."""
+    the boundary only) with 8-bit coordinates and stage tables: two processes train exactly as
+    one process with the boundary in-graph, and the wire carries the bytes the subspace mode's
+    8-bit wire does, forward and backward (the receiving stage's table never crosses)."""
     piped = _learned_boundary_runs(tmp_path, seed_checkpoint, "--protocol.mode", "projected",
-                                   "--codec.bits", "8")  # fmt: skip
+                                   "--codec.bits", "8", "--protocol.stage_tables", "true")  # fmt: skip
     codec = build_codec("projected", CodecSettings(bits=8), 64, protocol_seed=7)
     one = message_bytes("projected", (1, 64, 64), torch.float32, "fwd", k=4, codec=codec)
     today = build_codec("subspace", CodecSettings(bits=8), 64, protocol_seed=7)

@@ -18,7 +18,10 @@ ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)
 
 
 def _model(mode: str, stages: int, k: int = 4):
-    model = build_model_config(ARCH, ProtocolSettings(mode=mode, k=k, seed=3), stages).build()
+    """``mode`` may be ``projected+tables`` (``projected`` with ``stage_tables``)."""
+    mode, tables = mode.removesuffix("+tables"), mode.endswith("+tables")
+    protocol = ProtocolSettings(mode=mode, k=k, seed=3, stage_tables=tables)
+    model = build_model_config(ARCH, protocol, stages).build()
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights()
@@ -91,7 +94,7 @@ def test_constraint_layout(mode):
 @pytest.mark.parametrize(
     ("mode", "stages"),
     [("subspace", 2), ("subspace", 4), ("dense", 2), ("resbm", 2), ("resbm", 4),
-     ("projected", 2), ("projected", 4)],  # fmt: skip
+     ("projected", 2), ("projected", 4), ("projected+tables", 4)],  # fmt: skip
 )
 def test_chained_stages_equal_the_whole_model(mode, stages):
     """Forward through stages, passing only the wire tensor; backward with the wire gradient.

@@ -63,7 +63,7 @@ class EmulatedLink:
 def dense_twin(config):
     """``config`` with ``protocol.mode = "dense"`` (the same layout, the uncompressed wire)."""
     twin = dataclasses.replace(config)
-    twin.protocol = dataclasses.replace(config.protocol, mode="dense")
+    twin.protocol = dataclasses.replace(config.protocol, mode="dense", stage_tables=False)
     twin.codec = dataclasses.replace(config.codec, bits=None)
     return twin
 

@@ -215,13 +215,16 @@ def boundary_weights(config, stage: int) -> int:
 
 
 def boundary_lookups(config, stage: int) -> int:
-    """Table parameters the boundary method adds to ``stage`` (MAPL's anchor tables ``P``), one
-    per boundary side the stage holds."""
+    """Table parameters the boundary method adds to ``stage``: one per boundary side the stage
+    holds (MAPL's anchor tables ``P``), and the receiving side's own (``projected`` mode's stage
+    tables)."""
     method = BOUNDARIES.get(config.protocol.mode)
     if method is None:
         return 0
     sides = (stage < config.layout_stages - 1) + (stage > 0)
-    return sides * method.lookups(config.model.vocab_size, config.protocol)
+    v, d = config.model.vocab_size, config.model.dim
+    receiver = method.receiver_lookups(v, d, config.protocol) if stage > 0 else 0
+    return sides * method.lookups(v, config.protocol) + receiver
 
 
 def boundary_width(config) -> int:
@@ -392,7 +395,7 @@ def twin(config):
     subspace (at ``protocol.k``) for dense."""
     other = copy.copy(config)
     mode = "subspace" if config.protocol.mode == "dense" else "dense"
-    other.protocol = dataclasses.replace(config.protocol, mode=mode)
+    other.protocol = dataclasses.replace(config.protocol, mode=mode, stage_tables=False)
     return other
 
 

@@ -39,6 +39,7 @@ class ProtocolSettings(Protocol):
     anchor_rank: int
     rvq_stages: int
     rvq_codebook: int
+    stage_tables: bool
 
 
 Shapes = list[tuple[int, int]]
@@ -72,6 +73,9 @@ class BoundaryMethod:
     lookups: Callable[[int, ProtocolSettings], int] = _no_lookups
     """``(V, protocol) ->`` table parameters (read by token id, no FLOPs) it adds on each side
     of a boundary."""
+    receiver_lookups: Callable[[int, int, ProtocolSettings], int] = lambda v, d, protocol: 0
+    """``(V, d, protocol) ->`` table parameters it adds on the receiving side of a boundary
+    only (``projected`` with ``stage_tables``: the stage's own ``[V, d]`` token table)."""
     sync_values: Callable[[int, int, ProtocolSettings], tuple[int, int]] = _no_sync
     """``(d, V, protocol) ->`` fp32 values a boundary's two stages exchange once per step apart
     from the activation wire (whatever the batch): ``(sender to receiver, receiver to sender)``,
@@ -104,7 +108,13 @@ register_boundary(
 )
 register_boundary(
     "projected",
-    BoundaryMethod(width=lambda dim, k: k, width_key="k", quantizable=True, exportable=False),
+    BoundaryMethod(
+        width=lambda dim, k: k,
+        width_key="k",
+        quantizable=True,
+        exportable=False,
+        receiver_lookups=lambda v, d, protocol: v * d if protocol.stage_tables else 0,
+    ),
 )
 register_boundary("dense", BoundaryMethod(width=lambda dim, k: dim))
 register_boundary(

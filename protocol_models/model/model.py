@@ -170,7 +170,9 @@ class ProtocolBlock(Llama3TransformerBlock):
     Projected boundary (``projected`` mode): with ``project_out`` the block returns
     ``c = (x - F[ids]) @ U`` ``[mb, seq, k]``; with ``project_in`` it takes ``c`` and rebuilds
     ``F[ids] + c @ U.T`` ``[mb, seq, d]`` (``subspace.encode``/``decode`` with the model's frozen
-    ``basis`` and ``table``, passed to every block; ``U`` detached: it never trains here).
+    ``basis`` and ``table``, passed to every block; ``U`` detached: it never trains here), plus,
+    with a ``stage_table``, the stage's own learned row ``G[ids]`` (it never crosses: the next
+    boundary's projection sends what it needs).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -189,6 +191,9 @@ class ProtocolBlock(Llama3TransformerBlock):
         """Projected sender: the block's output is sent as its k coordinates around ``F``."""
         project_in: bool = False
         """Projected receiver: the block's input is rebuilt from k coordinates."""
+        stage_table: Embedding.Config | None = None
+        """Projected receiver with ``stage_tables``: the stage's own token table ``[V, d]``,
+        added to the rebuilt stream."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -200,6 +205,7 @@ class ProtocolBlock(Llama3TransformerBlock):
         self.mapl_in = config.mapl_in.build() if config.mapl_in is not None else None
         self.project_out = config.project_out
         self.project_in = config.project_in
+        self.stage_table = config.stage_table.build() if config.stage_table is not None else None
 
     def writers(self) -> list[nn.Parameter]:
         """The two weights that write into the residual stream (``[out, in]``)."""
@@ -223,6 +229,8 @@ class ProtocolBlock(Llama3TransformerBlock):
             x = self.mapl_in.decode(x, token_ids)
         if self.project_in:
             x = subspace.decode(x, token_ids, basis.detach(), table)
+        if self.stage_table is not None:
+            x = x + self.stage_table(token_ids).to(x.dtype)
         stream, branch_in = x, x
         if self.decoder is not None:
             branch_in = torch.relu(self.decoder(x))
@@ -489,7 +497,8 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
     ``MaplCodec`` (``r = protocol.k``, ``m = protocol.anchor_rank``, seed ``protocol.seed + b``
     at boundary ``b``) as ``mapl_out`` of those last blocks and ``mapl_in`` of those first ones.
     ``projected`` builds the dense model with ``project_out`` on those last blocks and
-    ``project_in`` on those first ones. Every other mode builds the dense model.
+    ``project_in`` on those first ones (with ``protocol.stage_tables``, each of those also holds
+    its stage's token table). Every other mode builds the dense model.
     """
     subspace_mode = protocol.mode == "subspace" and n_stages > 1
     bottleneck = protocol.mode == "resbm" and n_stages > 1
@@ -561,6 +570,11 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
         for sender, receiver in zip(ranges[:-1], ranges[1:], strict=True):
             layers[sender[-1]].project_out = True
             layers[receiver[0]].project_in = True
+            if protocol.stage_tables:
+                layers[receiver[0]].stage_table = Embedding.Config(
+                    num_embeddings=arch.vocab_size, embedding_dim=arch.dim,
+                    param_init={"weight": nn.init.zeros_},
+                )  # fmt: skip
     embed_dim = protocol.k if factored else arch.dim
     return ProtocolModel.Config(
         dim=arch.dim,

@@ -69,6 +69,11 @@ class ProtocolSettings:
     """``mapl`` with RVQ: K, codes per codebook (4, 16 or 256: 2, 4 or 8 bits per index)."""
     rvq_decay: float = 0.99
     """``mapl`` with RVQ: the EMA decay of the codebooks' k-means statistics."""
+    stage_tables: bool = False
+    """``projected`` mode: every stage after the first adds its own learned token table
+    ``[V, d]`` (zero at the start) to the stream it rebuilds, as the first stage adds its
+    embedding: zero bytes on the wire (no stage needs another's table), ``V d`` parameters per
+    stage."""
     layers_per_stage: list[int] | None = None
     """Blocks per pipeline stage, in stage order (default: near-equal, earlier stages take the
     remainder). One entry per stage of the layout, each >= 1, summing to ``model.n_layers``.
@@ -101,6 +106,10 @@ class ProtocolSettings:
             not self.basis_file or self.mode in ANCHORED_MODES,
             f"protocol.basis_file = {self.basis_file!r}: a basis file needs protocol.mode = "
             f"{' or '.join(repr(m) for m in ANCHORED_MODES)} (got {self.mode!r})",
+        )
+        require(
+            not self.stage_tables or self.mode == "projected",
+            f"protocol.stage_tables = true: needs protocol.mode = 'projected' (got {self.mode!r})",
         )
         if self.rvq_stages:
             self._check_rvq()
