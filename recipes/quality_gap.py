@@ -23,7 +23,8 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
   block is constrained, and Muon treats every block matrix alike), so both layouts share it;
 * the token table: the dense twin with its embedding frozen at its random initialization
   (``model.freeze_embedding``): if it loses most of its lead, the frozen table every
-  downstream stage reads tokens through is what the compressed models lack;
+  downstream stage reads tokens through is what the compressed models lack; and the remedy at
+  zero bytes, ``projected`` with ``stage_tables`` (each receiving stage's own learned table);
 * the token trend: 300, 1,200 and 2,400 steps (warm-up and the validation and checkpoint
   intervals scaled with the budget). 1,200 steps of 2,048 tokens read the bundled training text
   (~1.6M tokens) ~1.5 times, 2,400 steps ~3 times.
@@ -82,6 +83,8 @@ class Arm:
     stages: int = REFERENCE_STAGES
     steps: int = REFERENCE_STEPS
     frozen_embedding: bool = False
+    stage_tables: bool = False
+    """``projected`` with ``[protocol] stage_tables``: each receiving stage's own token table."""
     scale_name: str | None = None
     """The scale study's name of this arm, whose runs it reads instead of training."""
 
@@ -91,8 +94,10 @@ class Arm:
             what = "dense, frozen embedding" if self.frozen_embedding else "dense"
             return f"{what} {self.steps} steps"
         bits = f" {self.bits}-bit" if self.bits else ""
+        tables = " + stage tables" if self.stage_tables else ""
         layers = 8 // self.stages
-        return f"{self.method} k={self.k}{bits} {self.stages}x{layers} {self.steps} steps"
+        return (f"{self.method} k={self.k}{bits}{tables} {self.stages}x{layers} "
+                f"{self.steps} steps")  # fmt: skip
 
     @property
     def twin(self) -> Arm:
@@ -115,7 +120,8 @@ class Arm:
         bits = ["--codec.bits", str(self.bits)] if self.bits else []
         layout = ["--protocol.stages", str(self.stages)] if self.stages != REFERENCE_STAGES else []
         frozen = ["--model.freeze_embedding"] if self.frozen_embedding else []
-        return [*budget, *checkpoints, *method, *width, *bits, *layout, *frozen,
+        tables = ["--protocol.stage_tables", "true"] if self.stage_tables else []
+        return [*budget, *checkpoints, *method, *width, *bits, *layout, *frozen, *tables,
                 "--optimizer.name", "muon", "--debug.seed", str(seed)]  # fmt: skip
 
 
@@ -134,14 +140,15 @@ SAME_BYTES = [Arm("subspace", k=30, bits=8), Arm("projected"), Arm("projected", 
 SAME_BYTES_1200 = [Arm(a.method, a.k, a.bits, steps=1200) for a in SAME_BYTES]
 PHASES: list[list[Arm]] = [
     [dense(1200), today(1200), today(1200, 8), SAME_BYTES_1200[0], SAME_BYTES_1200[1],
-     Arm("dense", steps=1200, frozen_embedding=True)],
+     Arm("dense", steps=1200, frozen_embedding=True),
+     Arm("projected", steps=1200, stage_tables=True)],
     [dense(300), today(300), today(300, 8), *SAME_BYTES[:2]],
     [Arm("subspace", stages=2), Arm("projected", stages=2)],
     [SAME_BYTES_1200[2], SAME_BYTES[2]],
     [dense(2400), today(2400)],
 ]  # fmt: skip
 """The order the study trains in: the width and projection levers at 1,200 steps (the
-acceptance budget) with the token-table diagnostic, their 300-step points (does the gap
+acceptance budget) with the token-table diagnostic and the stage tables, their 300-step points (does the gap
 widen?), the 2-stage layout, the two levers combined, the 2,400-step pair. A session that stops
 between phases leaves complete rows."""
 ARMS = [a for phase in PHASES for a in phase]
