@@ -148,9 +148,9 @@ PHASES: list[list[Arm]] = [
     [dense(2400), today(2400)],
 ]  # fmt: skip
 """The order the study trains in: the width and projection levers at 1,200 steps (the
-acceptance budget) with the token-table diagnostic and the stage tables, their 300-step points (does the gap
-widen?), the 2-stage layout, the two levers combined, the 2,400-step pair. A session that stops
-between phases leaves complete rows."""
+acceptance budget) with the token-table diagnostic and the stage tables, their 300-step points
+(does the gap widen?), the 2-stage layout, the two levers combined, the 2,400-step pair. A
+session that stops between phases leaves complete rows."""
 ARMS = [a for phase in PHASES for a in phase]
 
 
