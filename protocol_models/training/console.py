@@ -9,8 +9,8 @@ Dropped, each for a reason a user of this plugin would otherwise chase:
   "Peak FLOPS used" line): MFU is computed against ``[hardware] peak_tflops`` instead, which the
   trainer states once;
 * "initial_load_model_only=True has no effect": a TorchTitan default no TOML sets;
-* "Sleeping 2 seconds for other ranks to complete": the plugin skips that sleep
-  (``ProtocolTrainer.train``; the ranks meet in a barrier before the process group goes);
+* "Sleeping 2 seconds for other ranks to complete": rank 0 still sleeps, but the ranks meet
+  in a barrier before the process group goes anyway (``protocol_models.train``);
 * Python warnings "DTensor random operators may not have complete support on cpu device mesh"
   (no random op runs on a DTensor here) and torchdata's "'set_vital' is deprecated".
 """
@@ -28,7 +28,7 @@ MISLEADING_LOG_LINES = (
     "Peak flops undefined for",
     "Peak FLOPS used for computing MFU",
     "initial_load_model_only=True has no effect",
-    "Sleeping 2 seconds for other ranks to complete",  # skipped: ProtocolTrainer.train
+    "Sleeping 2 seconds for other ranks to complete",
 )
 MISLEADING_WARNINGS = (
     "DTensor random operators may not have complete support on cpu",
