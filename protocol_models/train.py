@@ -79,7 +79,7 @@ def run(toml_path: str | None, overrides: list[str]) -> None:
 
     if nccl_rules.enabled():  # a CPU test of the NCCL path (PM_NCCL_RULES)
         nccl_rules.install()
-    config = load_config(toml_path, overrides)
+    config = load_config(toml_path, overrides, worker=True)
     init_logger()
     console.quiet_misleading(logger)
     trainer = config.build()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shutil
 import socket
 import subprocess
@@ -118,6 +119,28 @@ def test_tokenizer_without_eos_is_refused(tmp_path):
         ["--dump_folder", str(tmp_path / "dump"), "--hf_assets_path", str(assets)], "hf_assets_path"
     )
     assert "names no EOS token" in line
+
+
+def test_worker_refuses_unprepared_bundled_data(tmp_path):
+    """The worker started directly (``torchrun ... -m protocol_models.train``, not through
+    ``scripts/train.sh``) in a checkout whose bundled data was never prepared: one line naming
+    the missing tokenizer file and the prepare command, before TorchTitan loads the tokenizer.
+    The launcher's check still lets it through there (``train.sh`` prepares the data next)."""
+    shutil.copy(DEBUG, tmp_path / "debug_cpu.toml")  # its paths: .cache/shakespeare/, absent here
+    args = ["--toml", "debug_cpu.toml", "--dump_folder", str(tmp_path / "dump")]
+    env = {**os.environ, "PROTOCOL_MODELS_DEVICE": "cpu"}
+    check = subprocess.run([sys.executable, "-m", "protocol_models.config", *args], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert check.returncode == 0, check.stderr
+    worker = subprocess.run([sys.executable, "-m", "protocol_models.train", *args], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert worker.returncode == 2
+    assert "Traceback" not in worker.stdout + worker.stderr
+    (line,) = worker.stderr.strip().splitlines()
+    missing = tmp_path / ".cache" / "shakespeare" / "tokenizer" / "tokenizer.json"
+    assert line.startswith("error: hf_assets_path = '.cache/shakespeare/tokenizer'"), line
+    assert f"({missing} is missing)" in line and "`python -m protocol_models.prepare`" in line
+    assert not (tmp_path / ".cache").exists() and not (tmp_path / "dump").exists()
 
 
 def test_resume_with_a_different_k_is_refused(tmp_path):

@@ -18,10 +18,12 @@ from protocol_models.tools.errors import ConfigError, require
 from protocol_models.training.trainer import ProtocolTrainer
 
 
-def validate_environment(config: ProtocolTrainer.Config) -> None:
+def validate_environment(config: ProtocolTrainer.Config, *, worker: bool = False) -> None:
     """Checks against the file system: the basis file, data, tokenizer, dump folder, checkpoint
     to resume. The bundled Shakespeare data, when read and not yet prepared, is left to
-    ``scripts/train.sh`` (which prepares it before the workers start; they check again)."""
+    ``scripts/train.sh`` (which prepares it after its check, before the workers start); in a
+    ``worker`` nothing prepares it any more, so there it is one line naming the prepare command
+    (not TorchTitan's traceback about the missing tokenizer)."""
     from protocol_models.data import corpus
     from protocol_models.data import loader as data
     from protocol_models.tools import cpu_shim, nccl_rules
@@ -31,6 +33,8 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     if config.protocol.basis_file:
         read_basis(config.protocol.basis_file, config.model.dim, config.protocol.k)
     pending = data.bundled_data_pending(config)
+    if pending and worker:
+        raise ConfigError(unprepared_bundled_data(config))
     parts = {}
     for side in ["train", "validation"] if config.validator.enable else ["train"]:
         if not (pending and data.is_bundled(config.dataloader, side)):
@@ -49,6 +53,26 @@ def validate_environment(config: ProtocolTrainer.Config) -> None:
     _check_resumable(config)
     if config.dataloader.hf_dataset and "LOCAL_RANK" not in os.environ:
         corpus.check_hub_dataset(config.dataloader.hf_dataset)
+
+
+def unprepared_bundled_data(config: ProtocolTrainer.Config) -> str:
+    """The one line for a worker reading the bundled data before it was prepared: the first key
+    that reads it, the missing tokenizer file and the command that makes both."""
+    from protocol_models.data import corpus, shakespeare
+    from protocol_models.data import loader as data
+
+    loader = config.dataloader
+    readers = [("hf_assets_path", config.hf_assets_path), ("dataloader.files", loader.files),
+               ("dataloader.validation_files", loader.validation_files)]  # fmt: skip
+    key, value = next(
+        (k, v) for k, v in readers if any(data.is_bundled_path(p) for p in corpus.as_list(v))
+    )
+    missing = (shakespeare.DEFAULT_CACHE / "tokenizer" / "tokenizer.json").resolve()
+    return (
+        f"{key} = {value!r}: the bundled Shakespeare data is not prepared ({missing} is "
+        f"missing); run `python -m protocol_models.prepare` in {Path.cwd()} first "
+        "(scripts/train.sh does it before it starts the workers)"
+    )
 
 
 def _check_tokenizer(config: ProtocolTrainer.Config) -> None:

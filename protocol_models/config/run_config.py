@@ -76,18 +76,24 @@ def default_config() -> ProtocolTrainer.Config:
 
 
 def load_config(
-    toml_path: str | None, overrides: list[str], *, check_environment: bool = True
+    toml_path: str | None,
+    overrides: list[str],
+    *,
+    check_environment: bool = True,
+    worker: bool = False,
 ) -> ProtocolTrainer.Config:
     """Build the run's config from a TOML file and ``--section.key value`` overrides.
 
     ``check_environment=False`` skips the file-system checks (data, tokenizer, dump folder,
-    checkpoint), e.g. to plan a cluster run on a laptop.
+    checkpoint), e.g. to plan a cluster run on a laptop. ``worker=True`` (the training worker)
+    also refuses bundled data that is not prepared yet, which the launcher's check leaves to
+    ``scripts/train.sh``.
     """
     table = read_layers(toml_path, overrides)
     with _quiet_warnings():
         config = _build(table)
     if check_environment:
-        validate_environment(config)
+        validate_environment(config, worker=worker)
     return config
 
 
@@ -126,8 +132,16 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
             assign(config, {key: value}, "", also_allowed=_TOP_LEVEL_SPECIAL)
     rerun_post_init(optimizer, "optimizer", TORCHTITAN_RANGES)
     learned = config.protocol.mode == "mapl" and config.layout_stages > 1
+    ranges = stage_layer_ranges(config.model.n_layers, config.layout_stages,
+                                config.protocol.layers_per_stage)  # fmt: skip
+    require(
+        optimizer.writer_lr_scale == 1.0 or len(ranges) > 1,
+        f"optimizer.writer_lr_scale = {optimizer.writer_lr_scale}: no block is upstream of a "
+        "boundary in a 1-stage layout (set protocol.stages)",
+    )
     config.optimizer = optimizer.to_container_config(
-        config.protocol.projection_lr if learned else None
+        config.protocol.projection_lr if learned else None,
+        upstream=[i for r in ranges[:-1] for i in r],
     )
     config.protocol.parametrization = optimizer.parametrization
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)
