@@ -140,8 +140,7 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
         "boundary in a 1-stage layout (set protocol.stages)",
     )
     config.optimizer = optimizer.to_container_config(
-        config.protocol.projection_lr if learned else None,
-        upstream=[i for r in ranges[:-1] for i in r],
+        config.protocol.projection_lr if learned else None
     )
     config.protocol.parametrization = optimizer.parametrization
     config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model.vocab_size)

@@ -74,16 +74,19 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D weights: ``p <- p (1 - lr wd) - lr max(1, rows/cols)^0.5 NS(nesterov(m))``.
+    """Muon for 2-D weights: ``p <- p (1 - lr wd) - lr max(1, rows/cols)^0.5 NS(nesterov(m))``,
+    with ``lr`` times ``writer_lr_scale`` on the parameters in ``writers`` (``bind_writers``: the
+    residual writers upstream of the last boundary).
 
     Parameters must be whole matrices on this rank (no FSDP sharding of Muon's parameters).
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
-                 ns_steps=5, **_implementation_flags):  # fmt: skip
+                 ns_steps=5, writer_lr_scale=1.0, **_implementation_flags):  # fmt: skip
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        ns_steps=ns_steps)  # fmt: skip
+                        ns_steps=ns_steps, writer_lr_scale=writer_lr_scale)  # fmt: skip
         super().__init__(params, defaults)
+        self.writers: set[torch.nn.Parameter] = set()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -98,6 +101,8 @@ class Muon(torch.optim.Optimizer):
                 update = grad.lerp(buf, mu) if group["nesterov"] else buf
                 ortho = newton_schulz(update.reshape(update.shape[0], -1), group["ns_steps"])
                 scale = max(1.0, weight.shape[0] / weight[0].numel()) ** 0.5
+                if p in self.writers:
+                    scale *= group["writer_lr_scale"]
                 weight.mul_(1 - lr * wd)
                 weight.add_(ortho.view_as(weight).to(weight.dtype), alpha=-lr * scale)
         return None
@@ -208,6 +213,17 @@ class SubspaceAdamW(torch.optim.AdamW):
         denom = denom.unsqueeze(feature_axis)
         weight.mul_(1 - lr * wd)
         weight.addcdiv_(state["exp_avg"].to(weight.dtype), denom, value=-lr / (1 - beta1**step))
+
+
+def bind_writers(optimizers: OptimizersContainer, model_parts) -> None:
+    """Tell every ``Muon`` which of its parameters are residual writers upstream of the last
+    boundary (``writer_lr_scale``): ``constrained_weights``' writers, listed in every mode."""
+    writers = {w for part in model_parts for w, kind in part.constrained_weights()
+               if kind == "writer"}  # fmt: skip
+    for optimizer in optimizers:
+        if isinstance(optimizer, Muon):
+            owned = {p for group in optimizer.param_groups for p in group["params"]}
+            optimizer.writers = writers & owned
 
 
 def bind_subspace(optimizers: OptimizersContainer, model_parts) -> None:
@@ -445,6 +461,11 @@ class OptimizerSettings:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    writer_lr_scale: float = 1.0
+    """The matrix optimizer's step on the residual writers upstream of the last boundary
+    (``wo`` and ``w2`` of every block outside the last stage: the ones the subspace mode
+    constrains), as a multiple of ``muon_lr``; the same matrices in every mode, so a dense twin
+    takes the same scale."""
 
     RANGES: ClassVar[Ranges] = {
         "name": OneOf(OPTIMIZERS),
@@ -458,12 +479,18 @@ class OptimizerSettings:
         "muon_lr": POSITIVE,
         "muon_momentum": Range(low=0, high=1, high_open=True),
         "muon_weight_decay": AT_LEAST_0,
+        "writer_lr_scale": POSITIVE,
     }
 
     def __post_init__(self) -> None:
         require(
             len(self.betas) == 2,
             f"optimizer.betas = {self.betas}: expected two values [beta1, beta2]",
+        )
+        require(
+            self.writer_lr_scale == 1.0 or self.entry.matrix_factory is not None,
+            f"optimizer.writer_lr_scale = {self.writer_lr_scale}: only a matrix optimizer reads it "
+            f"(optimizer.name = {self.name!r} has none; use 'muon')",
         )
 
     @property
@@ -496,7 +523,8 @@ class OptimizerSettings:
                                    optimizer_kwargs=kwargs)]  # fmt: skip
         if entry.matrix_factory is not None:
             muon = {"lr": self.muon_lr, "momentum": self.muon_momentum,
-                    "weight_decay": self.muon_weight_decay}  # fmt: skip
+                    "weight_decay": self.muon_weight_decay,
+                    "writer_lr_scale": self.writer_lr_scale}  # fmt: skip
             groups.insert(
                 0,
                 ParamGroupConfig(
