@@ -90,3 +90,39 @@ def test_muon_keeps_the_factor_equivalence_that_torch_muon_rounds_away():
 
     assert mismatch(Muon) < 1e-4
     assert mismatch(torch.optim.Muon) > 0.1
+
+
+def test_writer_lr_scale_steps_the_upstream_writers_only():
+    """``optimizer.writer_lr_scale``: Muon's step on ``wo``/``w2`` of the blocks upstream of the
+    last boundary is that multiple of its step elsewhere, in the dense twin as in the subspace
+    model (the same matrices)."""
+    from protocol_models.model.model import ModelArch, build_model_config
+    from protocol_models.training.optimizers import bind_writers
+    from protocol_models.training.protocol import ProtocolSettings
+
+    arch = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=128)
+    for mode in ("dense", "subspace"):
+        model = build_model_config(arch, ProtocolSettings(mode=mode, k=4), 2).build()
+        torch.manual_seed(0)
+        model.init_weights()
+        matrices = [p for n, p in model.named_parameters() if n.startswith("layers.")
+                    and p.ndim == 2]  # fmt: skip
+        before = [p.detach().clone() for p in matrices]
+        for p in matrices:
+            p.grad = torch.randn_like(p)
+        steps = []
+        for scale in (1.0, 2.0):
+            for p, start in zip(matrices, before, strict=True):
+                p.data.copy_(start)
+            optimizer = Muon(matrices, lr=0.1, momentum=0.0, writer_lr_scale=scale)
+            bind_writers([optimizer], [model])
+            optimizer.step()
+            steps.append([p.detach() - start for p, start in zip(matrices, before, strict=True)])
+        writers = {id(w) for w, kind in model.constrained_weights() if kind == "writer"}
+        names = [n for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2]
+        assert sorted(n for n, p in zip(names, matrices, strict=True) if id(p) in writers) == [
+            f"layers.{i}.{w}.weight" for i in (0, 1)
+            for w in ("attention.wo", "feed_forward.w2")
+        ]  # fmt: skip
+        for p, one, two in zip(matrices, *steps, strict=True):
+            assert torch.allclose(two, (2.0 if id(p) in writers else 1.0) * one, atol=1e-6)
