@@ -25,6 +25,9 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
   (``model.freeze_embedding``): if it loses most of its lead, the frozen table every
   downstream stage reads tokens through is what the compressed models lack; and the remedy at
   zero bytes, ``projected`` with ``stage_tables`` (each receiving stage's own learned table);
+* the step size: Muon's step on the writers upstream of the last boundary doubled
+  (``optimizer.writer_lr_scale = 2``) in today's mode and in its dense twin (the same
+  matrices);
 * the token trend: 300, 1,200 and 2,400 steps (warm-up and the validation and checkpoint
   intervals scaled with the budget). 1,200 steps of 2,048 tokens read the bundled training text
   (~1.6M tokens) ~1.5 times, 2,400 steps ~3 times.
@@ -85,23 +88,29 @@ class Arm:
     frozen_embedding: bool = False
     stage_tables: bool = False
     """``projected`` with ``[protocol] stage_tables``: each receiving stage's own token table."""
+    writer_lr_scale: float = 1.0
+    """``[optimizer] writer_lr_scale``: Muon's step on the upstream writers (twin included)."""
     scale_name: str | None = None
     """The scale study's name of this arm, whose runs it reads instead of training."""
 
     @property
     def name(self) -> str:
+        step = f" writer step x{self.writer_lr_scale:g}" if self.writer_lr_scale != 1 else ""
         if self.method == "dense":
             what = "dense, frozen embedding" if self.frozen_embedding else "dense"
-            return f"{what} {self.steps} steps"
+            return f"{what}{step} {self.steps} steps"
         bits = f" {self.bits}-bit" if self.bits else ""
         tables = " + stage tables" if self.stage_tables else ""
         layers = 8 // self.stages
-        return (f"{self.method} k={self.k}{bits}{tables} {self.stages}x{layers} "
+        return (f"{self.method} k={self.k}{bits}{tables}{step} {self.stages}x{layers} "
                 f"{self.steps} steps")  # fmt: skip
 
     @property
     def twin(self) -> Arm:
-        """The fair dense twin: the same steps and seeds, every block unconstrained."""
+        """The fair dense twin: the same steps, seeds and writer step, every block
+        unconstrained."""
+        if self.writer_lr_scale != 1:
+            return Arm("dense", steps=self.steps, writer_lr_scale=self.writer_lr_scale)
         return dense(self.steps)
 
     def overrides(self, seed: int) -> list[str]:
@@ -121,7 +130,9 @@ class Arm:
         layout = ["--protocol.stages", str(self.stages)] if self.stages != REFERENCE_STAGES else []
         frozen = ["--model.freeze_embedding"] if self.frozen_embedding else []
         tables = ["--protocol.stage_tables", "true"] if self.stage_tables else []
-        return [*budget, *checkpoints, *method, *width, *bits, *layout, *frozen, *tables,
+        step = (["--optimizer.writer_lr_scale", f"{self.writer_lr_scale:g}"]
+                if self.writer_lr_scale != 1 else [])  # fmt: skip
+        return [*budget, *checkpoints, *method, *width, *bits, *layout, *frozen, *tables, *step,
                 "--optimizer.name", "muon", "--debug.seed", str(seed)]  # fmt: skip
 
 
@@ -144,13 +155,14 @@ PHASES: list[list[Arm]] = [
      Arm("projected", steps=1200, stage_tables=True)],
     [dense(300), today(300), today(300, 8), *SAME_BYTES[:2]],
     [Arm("subspace", stages=2), Arm("projected", stages=2)],
+    [Arm("subspace", steps=1200, writer_lr_scale=2), Arm("dense", steps=1200, writer_lr_scale=2)],
     [SAME_BYTES_1200[2], SAME_BYTES[2]],
     [dense(2400), today(2400)],
 ]  # fmt: skip
 """The order the study trains in: the width and projection levers at 1,200 steps (the
 acceptance budget) with the token-table diagnostic and the stage tables, their 300-step points
-(does the gap widen?), the 2-stage layout, the two levers combined, the 2,400-step pair. A
-session that stops between phases leaves complete rows."""
+(does the gap widen?), the 2-stage layout, the step-size arm, the two levers combined, the
+2,400-step pair. A session that stops between phases leaves complete rows."""
 ARMS = [a for phase in PHASES for a in phase]
 
 
