@@ -20,6 +20,8 @@ cat <<EOF
 
 Next, with the checkpoint in $dump/checkpoint (docs/after_training.md):
   python -m protocol_models.export --checkpoint $dump/checkpoint --out exported/quickstart
-  python -m protocol_models.generate --checkpoint $dump/checkpoint --prompt "ROMEO:" --max-new-tokens 64
+  python -m protocol_models.generate --checkpoint $dump/checkpoint --prompt "ROMEO:" --max-new-tokens 64 --temperature 0.8 --top-k 40 --seed 0
+    (sampled: Shakespeare-like words and fragments, not sentences, after 200 CPU steps;
+     greedy decoding, --temperature 0, gives only empty lines)
   python -m protocol_models.evaluate --checkpoint $dump/checkpoint
 EOF

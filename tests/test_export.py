@@ -353,3 +353,24 @@ def test_samples_at_validation_are_the_exported_models_greedy_continuations(
     assert sampled == [0, 0] and first == second  # the same --seed (default 0), the same text
     assert generate.main([*prompt, "--temperature", "-1"]) == 2
     assert capsys.readouterr().err.startswith("error: --temperature must be >= 0")
+
+
+def test_generate_top_k(capsys):
+    """``--top-k 1`` keeps only the most likely token, so sampling at any temperature is the
+    greedy continuation (a tiny random LLaMA and the bundled tokenizer); a negative
+    ``--top-k`` is one ``error:`` line naming it, before any model is loaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = REPO / ".cache" / "shakespeare" / "tokenizer"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2)).eval()  # fmt: skip
+    common = {"max_new_tokens": 12, "top_p": 1.0, "seed": 3}
+    greedy = generate.continue_text(model, folder, "ROMEO:", temperature=0.0, **common)
+    top1 = generate.continue_text(model, folder, "ROMEO:", temperature=5.0, top_k=1, **common)
+    assert top1 == greedy
+    wide = [generate.continue_text(model, folder, "ROMEO:", temperature=5.0, top_k=40, **common)
+            for _ in "ab"]  # fmt: skip
+    assert wide[0] == wide[1] != greedy  # one seed, one text; 40 candidates, another text
+    assert generate.main(["--hf", "nowhere", "--prompt", "x", "--top-k", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --top-k must be >= 0 (0: no top-k cut); got -1\n"

@@ -1,11 +1,14 @@
 """A quick look at what a model learned: continue a prompt.
 
     python -m protocol_models.generate --hf DIR | --checkpoint DIR [--step N] [--toml FILE]
-        --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S]
+        --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
 
 The prompt is tokenized as training tokenized documents (the run's tokenizer, with BOS) and
 continued by ``transformers``' ``generate``: greedy with ``--temperature 0`` (the default), else
-sampled at that temperature from the top-p nucleus, reproducibly for a given ``--seed``.
+sampled at that temperature from the ``--top-k`` most likely tokens (0: all) within the top-p
+nucleus, reproducibly for a given ``--seed``. A briefly trained model's greedy continuation is
+often its most frequent token over and over (newlines after the quick start's 200 steps);
+sampling shows what it learned.
 Generation stops at the tokenizer's EOS or after ``--max-new-tokens``.
 """
 
@@ -22,7 +25,7 @@ from protocol_models.tools.errors import UserError
 
 USAGE = (
     "python -m protocol_models.generate (--hf DIR | --checkpoint DIR [--step N] [--toml FILE]) "
-    "--prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S]"
+    "--prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]"
 )
 
 
@@ -36,14 +39,16 @@ def continue_text(
     temperature: float,
     top_p: float,
     seed: int,
+    top_k: int = 0,
 ) -> str:
-    """The text ``model`` appends to ``prompt`` (tokenizer: the one in ``folder``)."""
+    """The text ``model`` appends to ``prompt`` (tokenizer: the one in ``folder``); ``top_k``
+    0 samples from the whole top-p nucleus."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     tokenizer = HuggingFaceTokenizer(tokenizer_path=str(folder))
     ids = torch.tensor([tokenizer.encode(prompt, add_bos=True, add_eos=False)])
     torch.manual_seed(seed)
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -56,9 +61,21 @@ def continue_text(
     return tokenizer.decode([t for t in new if t != tokenizer.eos_id])
 
 
+def _check_sampling(args: argparse.Namespace) -> None:
+    """One line naming the first out-of-range generation option and the value it got."""
+    bounds = [
+        ("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0: greedy)"),
+        ("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0: no top-k cut)"),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+    ]
+    for name, value, ok, allowed in bounds:
+        if not ok:
+            raise UserError(f"{name} must be {allowed}; got {value}")
+
+
 def _main(args: argparse.Namespace) -> None:
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
-        raise UserError("--temperature must be >= 0, --top-p in (0, 1], --max-new-tokens >= 1")
+    _check_sampling(args)
     with model_folder(args) as folder:
         model = load_causal_lm(folder)
         text = continue_text(
@@ -69,6 +86,7 @@ def _main(args: argparse.Namespace) -> None:
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
+            top_k=args.top_k,
         )
     print(args.prompt + text)
 
@@ -79,6 +97,7 @@ def parser() -> cli.Parser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0: no top-k cut")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P")
     p.add_argument("--seed", type=int, default=0)
     return p
