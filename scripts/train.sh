@@ -18,6 +18,7 @@
 #                 [checkpoint] enable = true it resumes from the newest complete checkpoint (a
 #                 worker's user error ends the run instead: it would recur)
 #   PYTHON        interpreter with protocol_models installed (default: .venv/bin/python)
+# With NNODES>1 the NCCL/TCP settings of scripts/multinode.env apply (an exported value wins).
 set -euo pipefail
 if [ $# -lt 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
     # the usage: this file's opening comment
@@ -49,6 +50,7 @@ LOG_RANK="${LOG_RANK:-$(( NGPU - 1 ))}"
 if [ "$NNODES" -eq 1 ]; then
     rdzv=(--standalone)
 else
+    source scripts/multinode.env   # NCCL over plain TCP between nodes (values already set win)
     rdzv=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK}" --rdzv_backend c10d
           --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}")
     # the workers' store runs on node 0 and is announced by this address (torch's default is

@@ -274,3 +274,31 @@ def test_slurm_nodes_are_numbered_in_the_order_given(tmp_path):
         f"error: the node order (NODES={nodes}) lists [n3 n1 n4] but the job has [n1 n2 n3 n4]; "
         "list every allocated node once"
     )
+
+
+def test_every_multinode_launch_reads_the_nccl_settings_file(tmp_path):
+    """``scripts/train.sh`` with NNODES > 1 (a launch without SLURM, node by node) exports the
+    NCCL/TCP settings of ``scripts/multinode.env``, which the SLURM script reads too; a value
+    exported before the launch wins; a single-node launch sets none."""
+    names = ["NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_NTHREADS",
+             "NCCL_NSOCKS_PERTHREAD", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]  # fmt: skip
+    shown = " ".join(f"{n}=${{{n}-unset}}" for n in names)
+    bin_dir = fake_commands(tmp_path / "bin", {
+        "python": 'if [ "$2" = protocol_models.config ]; then printf "nproc=2\\ndevice=cuda\\n"; exit; fi\n'
+        f'echo "{shown}"',
+    })  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    env.update(PYTHON=str(bin_dir / "python"), MASTER_ADDR="10.0.0.1", NODE_RANK="1")
+
+    def launch(**extra: str) -> dict[str, str]:
+        result = subprocess.run(["bash", "scripts/train.sh", str(TINY)], cwd=REPO,
+                                env={**env, **extra}, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        return dict(item.split("=", 1) for item in result.stdout.split())
+
+    assert launch(NNODES="2") == {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "^lo,docker",
+                                  "NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4",
+                                  "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}  # fmt: skip
+    assert launch(NNODES="2", NCCL_SOCKET_IFNAME="wg0")["NCCL_SOCKET_IFNAME"] == "wg0"
+    assert set(launch(NNODES="1").values()) == {"unset"}
+    assert "source scripts/multinode.env" in (REPO / "scripts/slurm/train_nodes.sh").read_text()

@@ -11,7 +11,8 @@
 #   otherwise       the allocation's node names, sorted
 # Without a region column every node's label is its host name (REGION is unset on the nodes).
 # MASTER_ADDR (the rendezvous) is the first node of the order; MASTER_PORT defaults to 29500.
-# NCCL runs over plain TCP between regions; override any of the NCCL_* defaults below.
+# NCCL runs over plain TCP between regions: scripts/multinode.env holds the settings (a value
+# exported before sbatch wins).
 # srun starts the same command line on every node, so every node needs this checkout, with its
 # .venv (or PYTHON), at the same absolute path, and the same code there: before anything else
 # each node checks both against the node that runs this script (the batch host) and stops with
@@ -21,7 +22,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 checkout_fingerprint() {  # what every node must share: pyproject.toml, package, scripts, configs
     { echo pyproject.toml; find protocol_models scripts configs -type f \( -name '*.py' \
-        -o -name '*.sh' -o -name '*.sbatch' -o -name '*.toml' \); } |
+        -o -name '*.sh' -o -name '*.env' -o -name '*.sbatch' -o -name '*.toml' \); } |
         LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
 }
 
@@ -92,11 +93,7 @@ export PM_CHECKOUT_ROOT="$PWD" PM_CHECKOUT="$(checkout_fingerprint)"
 export PM_CHECKOUT_NODE="${SLURMD_NODENAME:-$(hostname)}"
 export PM_CHECKOUT_HEAD="$(git rev-parse --short HEAD 2>/dev/null || echo none)"
 export MASTER_ADDR="$(head -n 1 <<<"$listed")" MASTER_PORT="${MASTER_PORT:-29500}"
-export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"               # no InfiniBand between regions
-export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}" # any interface but loopback/docker
-export NCCL_SOCKET_NTHREADS="${NCCL_SOCKET_NTHREADS:-4}"     # 4 x 4 TCP streams per peer fill
-export NCCL_NSOCKS_PERTHREAD="${NCCL_NSOCKS_PERTHREAD:-4}"   # a long, high-latency link
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=3                     # a dead peer aborts, then restarts
+source scripts/multinode.env   # the NCCL/TCP settings, as scripts/train.sh reads them
 echo "node order ($source): $(paste -sd' ' <<<"$listed"); rendezvous $MASTER_ADDR:$MASTER_PORT"
 # (srun does not inherit sbatch's --cpus-per-task since SLURM 22.05: pass it on)
 # (--chdir=/: a node without the checkout starts anyway, and ON_NODE says so in one line)
