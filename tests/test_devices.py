@@ -7,6 +7,7 @@ import json
 import math
 import os
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,49 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
     assert "subspace leak:" in report and "(exact:" in report
     assert "tokens/s per process" in report
     assert "FSDP stage" not in report  # no sharding: nothing to time
+
+
+MFU_PEAKS = {
+    "NVIDIA H100 80GB HBM3": (989e12, "detected: NVIDIA H100 80GB HBM3"),
+    "NVIDIA H200": (989e12, "detected: NVIDIA H200"),
+    "NVIDIA L4": (312e12, "TorchTitan's A100 fallback: it has no figure for 'NVIDIA L4'"),
+    "cpu": (312e12, "TorchTitan's figure for device 'cpu': no GPU"),
+}
+"""A device name as TorchTitan reads it, TorchTitan 0.3.0's peak for it (``get_peak_flops``: its
+H100 SXM and H200 figures, and its A100 fallback), and how the trainer's line names the source."""
+
+
+@pytest.mark.parametrize("name", list(MFU_PEAKS))
+def test_mfu_without_peak_tflops_uses_the_detected_peak(monkeypatch, tmp_path, name):
+    """MFU on a config without peak_tflops uses the detected peak (tested with a faked device
+    name): a stand-in for the device module TorchTitan's metrics read names the device, the
+    device memory monitor (the metrics processor's, whose name the trainer passes to
+    ``mfu_peak``) reads it, and the peak is TorchTitan's figure for it; a set ``[hardware]
+    peak_tflops`` wins. ``lspci`` is kept off ``PATH``: on a GPU machine TorchTitan would read
+    the device from it instead."""
+    import torchtitan.components.metrics as titan_metrics
+
+    from protocol_models.training.trainer import HardwareSettings, mfu_peak
+
+    device = types.SimpleNamespace(
+        get_device_name=lambda device=None: name, current_device=lambda: 0,
+        get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=2**30),
+        reset_peak_memory_stats=lambda: None, empty_cache=lambda: None,
+    )  # fmt: skip
+    monkeypatch.setattr(titan_metrics, "device_module", device)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    detected = titan_metrics.build_device_memory_monitor().device_name
+    flops, source = mfu_peak(HardwareSettings().peak_tflops, detected)
+    expected, clause = MFU_PEAKS[name]
+    assert flops == expected and source.startswith(clause), source
+    assert mfu_peak(50.0, detected) == (50e12, "from [hardware] peak_tflops")
+
+
+def test_cpu_run_states_its_mfu_peak(tmp_path):
+    """A real run without ``peak_tflops`` logs which peak its MFU is measured against and where
+    that came from, without claiming a GPU, and its logged MFU is measured against that peak."""
+    records, output = torchrun(1, tmp_path / "run", "--training.steps", "2", return_output=True)
+    assert "MFU is measured against 312 TFLOP/s (TorchTitan's figure for device 'cpu'" in output
+    assert "Peak FLOPS used for computing MFU" not in output  # TorchTitan's own, filtered
+    for r in records:
+        assert 100 * r["tflops"] * 1e12 / r["mfu(%)"] == pytest.approx(312e12, rel=1e-9)

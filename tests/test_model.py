@@ -11,6 +11,7 @@ from protocol_models.model.model import (
     ModelArch,
     build_model_config,
 )
+from protocol_models.tools.errors import DataError
 from protocol_models.training.protocol import ProtocolSettings
 from protocol_models.wire.pipeline import split_stage
 
@@ -57,6 +58,45 @@ def test_codec_is_lossless_exactly_on_the_subspace():
     assert not torch.allclose(
         subspace.decode(subspace.encode(off, ids, basis, table), ids, basis, table), off, atol=1e-3
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_planted_leak_in_one_token_trips_the_bound(dtype):
+    """A planted leak in one token of one microbatch trips the bound: a stream exactly in
+    F + span(U) (8 sequences of 128 tokens, one token exactly at its anchor) reads below the
+    tolerance; one token pushed off the subspace by 4x the tolerance (relative to that token's
+    stream) reads above it, although the whole-microbatch ratio ||(I - UU^T) r|| / ||r|| that
+    ``leak`` measured before stays below the tolerance: the other 1023 tokens dilute it."""
+    basis, table = subspace.make_basis_and_table(0, 64, 4, 512)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 512, (8, 128), generator=gen)
+    c = 3 * torch.randn(8, 128, 4, generator=gen)
+    c[0, 0] = 0  # a token whose residual is zero: no 0/0
+    exact = (table[ids] + c @ basis.T).to(dtype)
+    bound = subspace.leak_tolerance(dtype)
+    assert subspace.leak(exact, ids, basis, table) < bound
+
+    off = torch.randn(64, generator=gen)
+    off -= basis @ (basis.T @ off)  # orthogonal to span(U)
+    planted = exact.float()
+    planted[5, 77] += 4 * bound * planted[5, 77].norm() * off / off.norm()
+    planted = planted.to(dtype)
+    residual = planted.float() - table[ids]
+    outside = residual - residual @ basis @ basis.T
+    assert outside.norm() / residual.norm() < bound  # the whole microbatch: diluted
+    assert subspace.leak(planted, ids, basis, table) > bound
+
+
+def test_decode_refuses_an_id_outside_the_table():
+    """An id outside [0, V) is one ``DataError`` line naming it and V, not a clamped row."""
+    basis, table = subspace.make_basis_and_table(0, 64, 4, 100)
+    c = torch.randn(1, 3, 4)
+    for bad in (100, -1):
+        ids = torch.tensor([[3, bad, 5]])
+        with pytest.raises(DataError) as err:
+            subspace.decode(c, ids, basis, table)
+        assert str(err.value) == (f"token id {bad} is outside the token table F: ids must be in "
+                                  "[0, model.vocab_size = 100)")  # fmt: skip
 
 
 def test_stage_ranges_cover_all_layers():

@@ -12,6 +12,7 @@ from conftest import REPO
 
 from protocol_models.cluster.emulate import emulated_link
 from protocol_models.cluster.plan import (
+    ASSUMED_PEAK_TFLOPS,
     GIB,
     StagePlan,
     _minimax_split,
@@ -22,6 +23,7 @@ from protocol_models.cluster.plan import (
     stage_cost,
     stage_params,
 )
+from protocol_models.cluster.plan import main as plan_main
 from protocol_models.config.run_config import load_config
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.model import ModelArch
@@ -210,6 +212,19 @@ def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
                         check_environment=False)  # fmt: skip
     nccl = predict_step(on_nccl, plans, 80.0, 50.0, mfu=0.5)
     assert nccl["step_s"] == pytest.approx(linked["step_s"] + all_reduce)
+
+
+def test_compute_divides_by_the_set_peak_or_says_it_assumed_an_l4(capsys):
+    """Without ``[hardware] peak_tflops`` the compute estimate assumes an L4's 121 TFLOP/s and
+    the report says so; a set value replaces it and the report assumes nothing."""
+    plans = [StagePlan(s, range(s, s + 1), 0, {}, 1e12, 2e12) for s in range(3)]
+    for extra, peak in (([], ASSUMED_PEAK_TFLOPS), (["--hardware.peak_tflops", "989"], 989.0)):
+        config = load_config(None, [*TINY, *extra], check_environment=False)
+        compute = predict_step(config, plans, None, 0.0, mfu=0.5)["compute_s"]
+        assert compute == pytest.approx(4 * 3e12 / (0.5 * peak * 1e12))
+        assert plan_main([*TINY, *extra]) == 0
+        said = "assumed: 121 TFLOP/s peak per GPU" in capsys.readouterr().out
+        assert said == (not extra)
 
 
 def test_async_step_has_no_fill_and_drain_but_at_flushes():

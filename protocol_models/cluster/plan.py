@@ -60,7 +60,8 @@ TorchTitan counts MFU), plus the recompute: ``full`` repeats the blocks' forward
 save (``2 W_recomputed B``), and with ``loss_chunk_tokens`` the last stage's logits again in the
 backward (``2 V d B``). Not counted: norms, RoPE and the k-wide U lifts (< 0.2%), the lossy
 codecs, ResBM's encoder and decoder in the selective recompute. Seconds = FLOPs / (``--mfu`` x
-``[hardware] peak_tflops``); the forward is ``2 W T + 4 L d seq T`` per microbatch, the backward
+``[hardware] peak_tflops``, or, where that is unset, ``ASSUMED_PEAK_TFLOPS``, an L4's, which the
+report says it assumed); the forward is ``2 W T + 4 L d seq T`` per microbatch, the backward
 the rest.
 
 Step time: GPipe runs every microbatch forward through the S stages and S - 1 links, then
@@ -148,6 +149,9 @@ MARGIN = 1.10
 CUDA_CONTEXT = 1 * GIB
 UNBALANCED = 0.05
 """Print a proposed split unasked when it cuts the busiest stage's compute time by this much."""
+ASSUMED_PEAK_TFLOPS = 121.0
+"""The peak of one GPU the compute estimate assumes when ``[hardware] peak_tflops`` is unset: an
+NVIDIA L4's dense bf16 (its datasheet's 242 TFLOP/s with sparsity, halved)."""
 
 
 @dataclass(frozen=True)
@@ -555,8 +559,23 @@ def collective_rounds_per_step(config) -> float:
     return rounds
 
 
+def peak_tflops(hardware) -> float:
+    """The TFLOP/s of one GPU the compute estimate divides by: ``[hardware] peak_tflops``, or
+    ``ASSUMED_PEAK_TFLOPS`` where it is unset."""
+    return ASSUMED_PEAK_TFLOPS if hardware.peak_tflops is None else hardware.peak_tflops
+
+
+def _assumed_peak(hardware) -> list[str]:
+    """The report's line saying the compute estimate assumed ``ASSUMED_PEAK_TFLOPS`` (none
+    where ``[hardware] peak_tflops`` is set)."""
+    if hardware.peak_tflops is not None:
+        return []
+    return [f"assumed: {ASSUMED_PEAK_TFLOPS:g} TFLOP/s peak per GPU (an NVIDIA L4's dense "
+            "bf16), since [hardware] peak_tflops is unset: set it for your GPU"]  # fmt: skip
+
+
 def _compute_seconds(config, flops: float, mfu: float) -> float:
-    return flops / (mfu * config.hardware.peak_tflops * 1e12)
+    return flops / (mfu * peak_tflops(config.hardware) * 1e12)
 
 
 def _microbatching(config) -> tuple[int, int, int]:
@@ -595,11 +614,12 @@ def render(
         f"total parameters: {sum(p.params for p in plans):,}",
         f"layout: {config.layout_stages} pipeline stages x {dp} data-parallel = {world} GPUs "
         f"({hw.gpus_per_node} per node, {hw.usable_memory_gib:g} GiB usable and "
-        f"{hw.peak_tflops:g} TFLOP/s peak each); blocks per stage "
+        f"{peak_tflops(hw):g} TFLOP/s peak each); blocks per stage "
         f"{[len(p.layers) for p in plans]}; {n_mb} microbatches of "
         f"{par.pipeline_parallel_microbatch_size} x {config.training.seq_len} tokens, "
         f"{par.pipeline_parallel_schedule}, activation_checkpoint {ac_name}, "
         f"loss_chunk_tokens {getattr(arch, 'loss_chunk_tokens', 0)}",
+        *_assumed_peak(hw),
         "",
         "memory per GPU in GiB (fits: total incl. CUDA context x 1.10 <= "
         f"{hw.usable_memory_gib:g}); compute per GPU per step at MFU {mfu:g}",
@@ -638,7 +658,7 @@ def render(
         ),
         "",
         f"predicted step on this layout, links at {link} + {latency_ms:g} ms, MFU {mfu:g} of "
-        f"{hw.peak_tflops:g} TFLOP/s; GPipe bubble {stages - 1}/{n_mb + stages - 1} = "
+        f"{peak_tflops(hw):g} TFLOP/s; GPipe bubble {stages - 1}/{n_mb + stages - 1} = "
         f"{(stages - 1) / (n_mb + stages - 1):.0%}",
         "",
         "| | " + " | ".join(predictions) + " |",
@@ -677,7 +697,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth-mbps", type=float, default=None)
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument(
-        "--mfu", type=float, default=0.4, help="fraction of [hardware] peak_tflops (default 0.4)"
+        "--mfu",
+        type=float,
+        default=0.4,
+        help=f"fraction of [hardware] peak_tflops (unset: {ASSUMED_PEAK_TFLOPS:g}; default 0.4)",
     )
     parser.add_argument(
         "--propose-split", action="store_true", help="print the balanced layers_per_stage"

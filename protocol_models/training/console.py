@@ -5,9 +5,11 @@ Dropped, each for a reason a user of this plugin would otherwise chase:
 
 * "Pipeline Parallel loss is not visible. Please add rank N to LOG_RANK ... run_train.sh":
   ``scripts/train.sh`` shows the last stage (where the loss lives) by default;
-* "Error running lspci" and "Peak flops undefined for: ..., fallback to A100" (and TorchTitan's
-  "Peak FLOPS used" line): MFU is computed against ``[hardware] peak_tflops`` instead, which the
-  trainer states once;
+* "Error running lspci", "Peak flops undefined for: ..., fallback to A100" and "Peak FLOPS used
+  for computing MFU": the trainer states once which peak MFU is measured against and where it
+  came from (``trainer.mfu_peak``: ``[hardware] peak_tflops``, TorchTitan's figure for the
+  detected device, or its A100 fallback), where TorchTitan's own line would name its figure even
+  when ``peak_tflops`` overrides it;
 * "initial_load_model_only=True has no effect": a TorchTitan default no TOML sets;
 * "Sleeping 2 seconds for other ranks to complete": rank 0 still sleeps, but the ranks meet
   in a barrier before the process group goes anyway (``protocol_models.train``);

@@ -34,6 +34,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import get_peak_flops
 from torchtitan.trainer import Trainer
 
 from protocol_models.data.loader import TextDataLoader
@@ -92,9 +93,11 @@ class HardwareSettings:
     """Memory one GPU offers, as the driver reports its total (NVIDIA L4: about 22.5 GiB of its
     24 GB); ``python -m protocol_models.plan`` fails unless every stage's estimate, CUDA
     context included, plus a 10% margin fits in it."""
-    peak_tflops: float = 121.0
-    """Dense bf16 tensor-core peak of one GPU in TFLOP/s (NVIDIA L4 datasheet: 242 with
-    sparsity, i.e. 121 dense); the planner predicts step times at ``--mfu`` of it."""
+    peak_tflops: float | None = None
+    """Dense bf16 tensor-core peak of one GPU in TFLOP/s, what the console's MFU is measured
+    against and the planner predicts step times at ``--mfu`` of (NVIDIA L4 datasheet: 242 with
+    sparsity, i.e. 121 dense). Unset (the default): MFU uses TorchTitan's figure for the device
+    it detects (``mfu_peak``), the planner assumes an L4 (``cluster.plan.ASSUMED_PEAK_TFLOPS``)."""
     gpus_per_node: int = 8
     """Processes per node; the planner prints which nodes hold which pipeline stage."""
 
@@ -103,6 +106,31 @@ class HardwareSettings:
         "peak_tflops": POSITIVE,
         "gpus_per_node": AT_LEAST_1,
     }
+
+
+TITAN_FALLBACK_FLOPS = 312e12
+"""What TorchTitan's ``get_peak_flops`` answers for a device name it does not know: the A100's
+peak (``tools.private_api`` checks its source still says so)."""
+
+
+def mfu_peak(peak_tflops: float | None, device_name: str) -> tuple[float, str]:
+    """``(peak FLOP/s, where it comes from)``: what the console's MFU is measured against, and the
+    clause the trainer's line names its source with.
+
+    ``peak_tflops`` (``[hardware] peak_tflops``) wins when set. Unset: TorchTitan's own figure
+    for ``device_name`` (``get_peak_flops``, the same call its metrics processor makes), where
+    ``device_name`` is what TorchTitan's device memory monitor read (``"cpu"`` under the CPU
+    shim, where the figure is TorchTitan's fallback and means nothing).
+    """
+    if peak_tflops is not None:
+        return peak_tflops * 1e12, "from [hardware] peak_tflops"
+    flops = get_peak_flops(device_name)
+    if device_name == "cpu":
+        return flops, "TorchTitan's figure for device 'cpu': no GPU, so this MFU means nothing"
+    if flops == TITAN_FALLBACK_FLOPS and "A100" not in device_name:
+        return flops, (f"TorchTitan's A100 fallback: it has no figure for {device_name!r}; "
+                       "set [hardware] peak_tflops")  # fmt: skip
+    return flops, f"detected: {device_name}"
 
 
 class ProtocolValidator(Validator):
@@ -188,10 +216,10 @@ class ProtocolTrainer(Trainer):
         self.progress = Progress(config.training.steps)
         super().__init__(config)
         run_record.write(config)  # what export needs to read the checkpoints
-        self.metrics_processor.gpu_peak_flops = config.hardware.peak_tflops * 1e12
-        logger.info(
-            f"MFU is measured against [hardware] peak_tflops = {config.hardware.peak_tflops:g}"
-        )
+        monitor = self.metrics_processor.device_memory_monitor
+        flops, source = mfu_peak(config.hardware.peak_tflops, monitor.device_name)
+        self.metrics_processor.gpu_peak_flops = flops
+        logger.info(f"MFU is measured against {flops / 1e12:g} TFLOP/s ({source})")
         self.metrics_processor.wire = self.wire  # as TorchTitan hands it optimizers, model_parts
         self.check_stages_agree()
         self.table_digest = self.model_parts[0].table_sha256
