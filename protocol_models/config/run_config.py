@@ -132,10 +132,8 @@ def _build(table: dict[str, Any]) -> ProtocolTrainer.Config:
             assign(config, {key: value}, "", also_allowed=_TOP_LEVEL_SPECIAL)
     rerun_post_init(optimizer, "optimizer", TORCHTITAN_RANGES)
     learned = config.protocol.mode == "mapl" and config.layout_stages > 1
-    ranges = stage_layer_ranges(config.model.n_layers, config.layout_stages,
-                                config.protocol.layers_per_stage)  # fmt: skip
     require(
-        optimizer.writer_lr_scale == 1.0 or len(ranges) > 1,
+        optimizer.writer_lr_scale == 1.0 or config.layout_stages > 1,
         f"optimizer.writer_lr_scale = {optimizer.writer_lr_scale}: no block is upstream of a "
         "boundary in a 1-stage layout (set protocol.stages)",
     )

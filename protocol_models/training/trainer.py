@@ -49,7 +49,7 @@ from protocol_models.training.delayed import DelayedUpdates
 from protocol_models.training.grassmann import SubspaceTracker
 from protocol_models.training.mapl_sync import BoundarySync
 from protocol_models.training.metrics import ProtocolMetricsProcessor
-from protocol_models.training.optimizers import bind_subspace
+from protocol_models.training.optimizers import bind_subspace, bind_writers
 from protocol_models.training.protocol import ProtocolSettings
 from protocol_models.training.samples import sample_at_validation
 from protocol_models.training.stall_watch import StallWatch
@@ -640,6 +640,7 @@ def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, 
     ``BoundarySync`` of the MAPL copies, metered on ``meter``, and (``protocol.update_every`` >
     0, subspace mode) the ``SubspaceTracker`` it runs after every applied step."""
     bind_subspace(optimizers, model_parts)
+    bind_writers(optimizers, model_parts)
     sync = BoundarySync(model_parts, meter=meter)
     if sync.sides and parallel_dims.pp_enabled:
         pp_mesh = parallel_dims.get_mesh("pp")
