@@ -13,7 +13,7 @@ from conftest import TINY, torchrun
 
 from protocol_models.config.run_config import ConfigError, load_config
 from protocol_models.model import subspace
-from protocol_models.training.trainer import protocol_identity
+from protocol_models.training.stage_identity import protocol_identity
 from protocol_models.wire import codec_for
 from protocol_models.wire.codecs import CodecSettings, apply_boundary, build_codec
 from protocol_models.wire.sizes import message_bytes

@@ -225,7 +225,7 @@ def test_mfu_without_peak_tflops_uses_the_detected_peak(monkeypatch, tmp_path, n
     the device from it instead."""
     import torchtitan.components.metrics as titan_metrics
 
-    from protocol_models.training.trainer import HardwareSettings, mfu_peak
+    from protocol_models.training.hardware import HardwareSettings, mfu_peak
 
     device = types.SimpleNamespace(
         get_device_name=lambda device=None: name, current_device=lambda: 0,

@@ -23,7 +23,7 @@ LAYERS = {
     "cluster": {"tools", "model", "data", "wire", "training", "config"},
 }
 """Subpackage -> the subpackages its modules may import (besides its own modules and the package
-root, which only installs the CPU shim). The user commands (the modules beside ``__init__`` and a
+root, which holds nothing but its docstring). The user commands (the modules beside ``__init__`` and a
 subpackage's ``__main__``) may import every subpackage, but no other command."""
 
 ANNOTATION_ONLY = {("protocol_models.model.model", "protocol_models.training.protocol")}

@@ -16,7 +16,7 @@ from protocol_models.model.model import ModelArch, build_model_config
 from protocol_models.training.mapl_sync import BoundarySync
 from protocol_models.training.optimizers import GuardedOptimizers, StiefelMuon
 from protocol_models.training.protocol import ProtocolSettings
-from protocol_models.training.trainer import protocol_identity
+from protocol_models.training.stage_identity import protocol_identity
 from protocol_models.wire.meter import WireMeter
 from protocol_models.wire.pipeline import split_stage
 from protocol_models.wire.sizes import message_bytes

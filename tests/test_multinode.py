@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conftest import REPO, TINY, fake_commands, read_jsonl
 
-from protocol_models.training.trainer import RankPlace, describe_placement, placement_problem
+from protocol_models.training.placement import RankPlace, describe_placement, placement_problem
 
 
 def _two_nodes(

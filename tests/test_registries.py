@@ -17,7 +17,7 @@ from protocol_models.model.model import ModelArch, build_model_config
 from protocol_models.tools.errors import ConfigError, require
 from protocol_models.training.optimizers import OPTIMIZERS, GuardedOptimizers, OptimizerEntry
 from protocol_models.training.protocol import ProtocolSettings
-from protocol_models.training.trainer import protocol_identity
+from protocol_models.training.stage_identity import protocol_identity
 from protocol_models.wire.codecs import CODECS, Codec, install_in_graph
 from recipes import ablation
 from recipes.common import arms

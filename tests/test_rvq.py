@@ -14,7 +14,7 @@ from protocol_models.model.mapl import MaplCodec
 from protocol_models.model.model import ModelArch, build_model_config
 from protocol_models.training.mapl_sync import BoundarySync
 from protocol_models.training.protocol import ProtocolSettings
-from protocol_models.training.trainer import protocol_identity
+from protocol_models.training.stage_identity import protocol_identity
 from protocol_models.wire import codec_for
 from protocol_models.wire.codecs import apply_boundary, install_in_graph
 from protocol_models.wire.rvq import ResidualVQ, quantize, reconstruct, residuals

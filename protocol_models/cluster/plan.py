@@ -127,9 +127,9 @@ import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from protocol_models.config.run_config import check_async, load_config, split_argv
-from protocol_models.model.boundary import BOUNDARIES, label
+from protocol_models.model.boundary import BOUNDARIES, anchored, label
 from protocol_models.model.layout import stage_layer_ranges
-from protocol_models.model.model import ANCHORED_MODES, build_model_config
+from protocol_models.model.model import build_model_config
 from protocol_models.tools.errors import UserError
 from protocol_models.training.optimizers import OPTIMIZERS
 from protocol_models.wire import codec_for
@@ -273,7 +273,7 @@ def stage_cost(
     a, n_mb, tokens = _microbatching(config)
     d, v, heads, seq = arch.dim, arch.vocab_size, arch.n_heads, config.training.seq_len
     kv = (arch.n_kv_heads or arch.n_heads) * (d // heads)
-    anchored = protocol.mode in ANCHORED_MODES and n_stages > 1
+    holds_table = anchored(protocol.mode) and n_stages > 1
     matmuls = block_matmuls(config, _factored_model(config) and not last)
     weights = sum(m.fan_in * m.fan_out for m in matmuls if m.weight)
     in_flight = n_mb
@@ -315,7 +315,7 @@ def stage_cost(
         "unsharded": (a + 4) * params,
         "activations": activations,
         "logits": logits,
-        "F and U": v * d * table_bytes + 4 * d * protocol.k if anchored else 0.0,
+        "F and U": v * d * table_bytes + 4 * d * protocol.k if holds_table else 0.0,
         **({"versions": versions_bytes(config) * params} if asynchronous else {}),
         "context": CUDA_CONTEXT,
     }

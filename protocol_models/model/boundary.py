@@ -82,6 +82,8 @@ class BoundaryMethod:
     sent at the same time."""
     exportable: bool = True
     """Whether a trained model folds into an ordinary LLaMA (``protocol_models.export``)."""
+    anchored: bool = False
+    """Whether its model holds the frozen ``U`` and ``F`` (``protocol.seed``, ``basis_file``)."""
     quantizable: bool = False
     """Whether ``[codec] bits`` quantizes its messages (k coordinates around ``F``: the
     ``quant`` codec on ``c``, ``protocol_models.wire.codecs``)."""
@@ -96,6 +98,11 @@ def register_boundary(name: str, entry: BoundaryMethod) -> None:
     BOUNDARIES[name] = entry
 
 
+def anchored(mode: str) -> bool:
+    """Whether ``mode``'s model holds the frozen ``U`` and ``F`` (``BoundaryMethod.anchored``)."""
+    return mode in BOUNDARIES and BOUNDARIES[mode].anchored
+
+
 def label(mode: str, k: int) -> str:
     """``mode`` with its width, as tables print it: ``subspace k=8``, ``resbm h=8``, ``dense``,
     a codec's name."""
@@ -104,13 +111,15 @@ def label(mode: str, k: int) -> str:
 
 
 register_boundary(
-    "subspace", BoundaryMethod(width=lambda dim, k: k, width_key="k", quantizable=True)
+    "subspace",
+    BoundaryMethod(width=lambda dim, k: k, width_key="k", anchored=True, quantizable=True),
 )
 register_boundary(
     "projected",
     BoundaryMethod(
         width=lambda dim, k: k,
         width_key="k",
+        anchored=True,
         quantizable=True,
         exportable=False,
         receiver_lookups=lambda v, d, protocol: v * d if protocol.stage_tables else 0,
@@ -160,4 +169,4 @@ register_boundary(
 )
 
 
-__all__ = ["BOUNDARIES", "BoundaryMethod", "label", "register_boundary"]
+__all__ = ["BOUNDARIES", "BoundaryMethod", "anchored", "label", "register_boundary"]

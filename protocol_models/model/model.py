@@ -75,7 +75,7 @@ from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.protocols.model_spec import ModelSpec
 
 from protocol_models.model import subspace
-from protocol_models.model.boundary import label
+from protocol_models.model.boundary import anchored, label
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.loss import chunked_cross_entropy
 from protocol_models.model.mapl import MaplCodec
@@ -86,8 +86,6 @@ if TYPE_CHECKING:
     from protocol_models.training.protocol import ProtocolSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ANCHORED_MODES = ("subspace", "projected")
-"""The modes whose model holds the frozen ``U`` and ``F`` (``protocol.seed``, ``basis_file``)."""
 Attention = Literal["sdpa", "flex", "varlen"]
 
 
@@ -290,7 +288,7 @@ class ProtocolModel(Llama3Model):
         self.subspace = config.mode == "subspace"
         """Whether the upstream writers are confined to span(U) (the stream is exact at every
         boundary)."""
-        self.anchored = config.mode in ANCHORED_MODES
+        self.anchored = anchored(config.mode)
         """Whether the model holds ``U`` and ``F`` (subspace and projected modes)."""
         self.factored = self.subspace and config.parametrization == "factor"
         if config.freeze_embedding and self.tok_embeddings is not None:

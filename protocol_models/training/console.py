@@ -7,7 +7,7 @@ Dropped, each for a reason a user of this plugin would otherwise chase:
   ``scripts/train.sh`` shows the last stage (where the loss lives) by default;
 * "Error running lspci", "Peak flops undefined for: ..., fallback to A100" and "Peak FLOPS used
   for computing MFU": the trainer states once which peak MFU is measured against and where it
-  came from (``trainer.mfu_peak``: ``[hardware] peak_tflops``, TorchTitan's figure for the
+  came from (``hardware.mfu_peak``: ``[hardware] peak_tflops``, TorchTitan's figure for the
   detected device, or its A100 fallback), where TorchTitan's own line would name its figure even
   when ``peak_tflops`` overrides it;
 * "initial_load_model_only=True has no effect": a TorchTitan default no TOML sets;

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from protocol_models.model.model import ANCHORED_MODES
+from protocol_models.model.boundary import BOUNDARIES, anchored
 from protocol_models.tools.errors import require
 from protocol_models.tools.ranges import AT_LEAST_1, POSITIVE, SEED, OneOf, Range, Ranges
 from protocol_models.wire import modes
@@ -103,9 +103,10 @@ class ProtocolSettings:
             f"(got {self.mode!r})",
         )
         require(
-            not self.basis_file or self.mode in ANCHORED_MODES,
+            not self.basis_file or anchored(self.mode),
             f"protocol.basis_file = {self.basis_file!r}: a basis file needs protocol.mode = "
-            f"{' or '.join(repr(m) for m in ANCHORED_MODES)} (got {self.mode!r})",
+            f"{' or '.join(repr(m) for m, b in BOUNDARIES.items() if b.anchored)} "
+            f"(got {self.mode!r})",
         )
         require(
             not self.stage_tables or self.mode == "projected",

@@ -1,10 +1,16 @@
-"""TorchTitan Trainer and Validator extensions for Protocol Models.
+"""TorchTitan's Trainer for Protocol Models: it builds the run's wire and model spec, checks at
+start-up that the stages agree and where they run, and trains with the plugin's step.
 
 * The ``ModelSpec`` is derived from the config's ``[model]`` and ``[protocol]`` tables. The
   trainer owns the run's ``Wire`` (meter, codec, link: built once) and hands it at construction
   to the pipelining and parallelize functions the spec carries; the metrics processor reads it.
-* ``ModelSpec.post_optimizer_build_fn`` binds the subspace optimizers to the model and, with
-  ``[protocol] update_every``, gives the optimizer container its ``SubspaceTracker``.
+* ``ModelSpec.post_optimizer_build_fn`` (``training.optimizer_hook``) binds the subspace
+  optimizers to the model and, with ``[protocol] update_every``, gives the optimizer container
+  its ``SubspaceTracker``.
+* Its collaborators live in rooms of their own: the step and its clipping (``training.step``),
+  the stage kwargs (``training.stage_kwargs``), the validator (``training.validator``), the
+  ``[hardware]`` table and MFU peak (``training.hardware``), the placement check
+  (``training.placement``) and what the stages must agree on (``training.stage_identity``).
 * Token ids reach every pipeline stage as the forward kwarg ``token_ids``: every rank of a
   pipeline group reads the same microbatches, so ids never cross the wire (a checksum of them is
   compared across the stages at every log step).
@@ -20,40 +26,37 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.validate import Validator
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.tools.logging import logger
-from torchtitan.tools.utils import get_peak_flops
 from torchtitan.trainer import Trainer
 
 from protocol_models.data.loader import TextDataLoader
-from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.loss import ModelLoss
 from protocol_models.model.model import ModelArch, build_model_spec
 from protocol_models.tools.errors import StartupError, as_link_fault
-from protocol_models.tools.ranges import AT_LEAST_1, POSITIVE, Range, Ranges
 from protocol_models.training import run_record
 from protocol_models.training.console import Progress
 from protocol_models.training.delayed import DelayedUpdates
 from protocol_models.training.grassmann import SubspaceTracker
-from protocol_models.training.mapl_sync import BoundarySync
+from protocol_models.training.hardware import HardwareSettings, mfu_peak
 from protocol_models.training.metrics import ProtocolMetricsProcessor
-from protocol_models.training.optimizers import bind_subspace, bind_writers
+from protocol_models.training.optimizer_hook import after_optimizers_built
+from protocol_models.training.placement import RankPlace, describe_placement, placement_problem
 from protocol_models.training.protocol import ProtocolSettings
-from protocol_models.training.samples import sample_at_validation
+from protocol_models.training.stage_identity import protocol_identity, subspace_digest
+from protocol_models.training.stage_kwargs import add_protocol_kwargs
 from protocol_models.training.stall_watch import StallWatch
 from protocol_models.training.step import StepClipping, optimizer_step
+from protocol_models.training.validator import ProtocolValidator
 from protocol_models.wire import Wire
 from protocol_models.wire.async_schedule import ASYNC_SCHEDULE
 from protocol_models.wire.boundary_groups import follows_nccl
@@ -63,93 +66,6 @@ from protocol_models.wire.norm_exchange import NormExchange
 from protocol_models.wire.pipeline import parallelize_protocol, pipeline_protocol
 from protocol_models.wire.stage import Waiting
 from protocol_models.wire.transport import TransportSettings
-
-
-def add_protocol_kwargs(
-    inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: dict[str, Any], model_config
-) -> dict[str, Any]:
-    """Forward kwargs every stage receives: the token ids ``[mb, seq]``, with
-    ``loss_chunk_tokens`` the labels ``[mb, seq]`` (the last stage computes the loss), and
-    positions unless the attention is plain causal SDPA."""
-    extra_kwargs["token_ids"] = inputs
-    if model_config.loss_chunk_tokens:
-        extra_kwargs["labels"] = labels
-    inner = model_config.first_attention.inner_attention
-    if isinstance(inner, ScaledDotProductAttention.Config):
-        extra_kwargs.pop("positions", None)
-    return extra_kwargs
-
-
-@dataclass(kw_only=True, slots=True)
-class HardwareSettings:
-    """TOML table ``[hardware]``: the device the run trains on, and what the planner checks a
-    layout against."""
-
-    device: Literal["cuda", "cpu"] = "cuda"
-    """``cuda``: a run stops with one line naming the cause when CUDA is unusable (never a
-    silent CPU fallback); ``cpu``: train on CPU over gloo (the CPU configs and tests)."""
-
-    usable_memory_gib: float = 22.5
-    """Memory one GPU offers, as the driver reports its total (NVIDIA L4: about 22.5 GiB of its
-    24 GB); ``python -m protocol_models.plan`` fails unless every stage's estimate, CUDA
-    context included, plus a 10% margin fits in it."""
-    peak_tflops: float | None = None
-    """Dense bf16 tensor-core peak of one GPU in TFLOP/s, what the console's MFU is measured
-    against and the planner predicts step times at ``--mfu`` of (NVIDIA L4 datasheet: 242 with
-    sparsity, i.e. 121 dense). Unset (the default): MFU uses TorchTitan's figure for the device
-    it detects (``mfu_peak``), the planner assumes an L4 (``cluster.plan.ASSUMED_PEAK_TFLOPS``)."""
-    gpus_per_node: int = 8
-    """Processes per node; the planner prints which nodes hold which pipeline stage."""
-
-    RANGES: ClassVar[Ranges] = {
-        "usable_memory_gib": POSITIVE,
-        "peak_tflops": POSITIVE,
-        "gpus_per_node": AT_LEAST_1,
-    }
-
-
-TITAN_FALLBACK_FLOPS = 312e12
-"""What TorchTitan's ``get_peak_flops`` answers for a device name it does not know: the A100's
-peak (``tools.private_api`` checks its source still says so)."""
-
-
-def mfu_peak(peak_tflops: float | None, device_name: str) -> tuple[float, str]:
-    """``(peak FLOP/s, where it comes from)``: what the console's MFU is measured against, and the
-    clause the trainer's line names its source with.
-
-    ``peak_tflops`` (``[hardware] peak_tflops``) wins when set. Unset: TorchTitan's own figure
-    for ``device_name`` (``get_peak_flops``, the same call its metrics processor makes), where
-    ``device_name`` is what TorchTitan's device memory monitor read (``"cpu"`` under the CPU
-    shim, where the figure is TorchTitan's fallback and means nothing).
-    """
-    if peak_tflops is not None:
-        return peak_tflops * 1e12, "from [hardware] peak_tflops"
-    flops = get_peak_flops(device_name)
-    if device_name == "cpu":
-        return flops, "TorchTitan's figure for device 'cpu': no GPU, so this MFU means nothing"
-    if flops == TITAN_FALLBACK_FLOPS and "A100" not in device_name:
-        return flops, (f"TorchTitan's A100 fallback: it has no figure for {device_name!r}; "
-                       "set [hardware] peak_tflops")  # fmt: skip
-    return flops, f"detected: {device_name}"
-
-
-class ProtocolValidator(Validator):
-    """TorchTitan's Validator, passing token ids to every stage; then ``[metrics]`` samples."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Validator.Config):
-        RANGES: ClassVar[Ranges] = {
-            "freq": AT_LEAST_1,
-            "steps": Range(low=1, also=(-1,), note="-1 = the whole validation data"),
-        }
-
-    def post_dataloading_process(self, input_dict, labels, model_parts):
-        inputs, labels, extra = super().post_dataloading_process(input_dict, labels, model_parts)
-        return inputs, labels, add_protocol_kwargs(inputs, labels, extra, model_parts[0].config)
-
-    def validate(self, model_parts, step: int) -> None:
-        super().validate(model_parts, step)
-        sample_at_validation(self, model_parts, step)  # [metrics] sample_prompts
 
 
 class ProtocolTrainer(Trainer):
@@ -298,7 +214,7 @@ class ProtocolTrainer(Trainer):
         dims = self.parallel_dims
         if not dims.pp_enabled:
             return
-        mine = (protocol_identity(self.config), _subspace_digest(self.model_parts[0]))
+        mine = (protocol_identity(self.config), subspace_digest(self.model_parts[0]))
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (dims.get_mesh("pp").get_local_rank(), *mine))
         holders: dict[tuple[str, str], list[tuple[int, int]]] = {}
@@ -531,129 +447,6 @@ class ProtocolTrainer(Trainer):
         return self.metrics_processor.stage_row(loss, loss)
 
 
-class RankPlace(NamedTuple):
-    """Where one rank runs, as ``check_placement`` gathers it."""
-
-    region: str
-    """``$REGION``, else the host name."""
-    labelled: bool
-    """Whether ``$REGION`` was set."""
-    host: str
-    node: int
-    """The node rank (torchelastic's ``GROUP_RANK``)."""
-    stage: int
-    """The pipeline stage this rank holds."""
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
-
-
-def _by_stage(places: list[RankPlace]) -> dict[int, dict[str, list[int]]]:
-    """stage -> region -> global ranks, in stage and first-rank order."""
-    stages: dict[int, dict[str, list[int]]] = {}
-    for rank, place in enumerate(places):
-        stages.setdefault(place.stage, {}).setdefault(place.region, []).append(rank)
-    return dict(sorted(stages.items()))
-
-
-def describe_placement(places: list[RankPlace]) -> str:
-    """One line: for every stage its ranks, their nodes and regions (index = global rank)."""
-    parts = []
-    for stage, regions in _by_stage(places).items():
-        ranks = [r for rs in regions.values() for r in rs]
-        nodes = _ranks_text(sorted({places[r].node for r in ranks}))
-        parts.append(
-            f"stage {stage}: ranks {_ranks_text(ranks)} on node(s) {nodes} "
-            f"(region {' + '.join(regions)})"
-        )
-    return "; ".join(parts)
-
-
-def placement_problem(places: list[RankPlace]) -> str | None:
-    """The one-line reason to refuse a placement (index = global rank), or None: the first
-    stage whose data-parallel group spans more than one region."""
-    for stage, regions in _by_stage(places).items():
-        if len(regions) < 2:
-            continue
-        spans = ", ".join(f"{region!r} (ranks {_ranks_text(rs)})" for region, rs in regions.items())
-        ranks = [r for rs in regions.values() for r in rs]
-        reason = (
-            f"the data-parallel group of pipeline stage {stage} spans regions {spans}, so its "
-            "FSDP/replicate traffic would cross a slow link every step; number the nodes "
-            f"(NODE_RANK) region by region so that ranks {_ranks_text(ranks)} share one region, "
-            "or change [parallelism]"
-        )
-        if not all(places[r].labelled for r in ranks):
-            reason += ", and set REGION on every node (unset, a node's region is its host name)"
-        return reason
-    return None
-
-
-def _subspace_digest(model: torch.nn.Module) -> str:
-    """sha256 of this stage's current U and of F as generated ("" in dense mode). U is
-    ``[d, k]`` (read back once per check); F's digest was taken while generating it."""
-    if not getattr(model, "anchored", False):
-        return ""
-    digest = hashlib.sha256(model.basis.detach().cpu().contiguous().numpy().tobytes())
-    digest.update(model.table_sha256)
-    return digest.hexdigest()
-
-
-def protocol_identity(config: ProtocolTrainer.Config) -> str:
-    """What every pipeline stage must share to decode its neighbours' messages, as the text a
-    mismatch error shows: the subspace (mode, k, seed, width), the blocks per stage (which blocks
-    each stage runs and which are constrained) and, in a lossy mode, the codec settings (they fix
-    the payload shapes and the backward)."""
-    protocol = config.protocol
-    identity = f"mode={protocol.mode}, k={protocol.k}, seed={protocol.seed}, dim={config.model.dim}"
-    ranges = stage_layer_ranges(
-        config.model.n_layers, config.layout_stages, protocol.layers_per_stage
-    )
-    identity += f", layers per stage {[len(r) for r in ranges]}"
-    if protocol.mode == "mapl":
-        identity += f", anchor_rank={protocol.anchor_rank}, rvq_stages={protocol.rvq_stages}"
-        if protocol.rvq_stages:
-            identity += f", rvq_codebook={protocol.rvq_codebook}, rvq_decay={protocol.rvq_decay}"
-    codec = config.codec.identity(protocol.mode)
-    if codec:
-        identity += f", codec {protocol.mode}({codec})"
-    return identity
-
-
 def init_timeout(config: ProtocolTrainer.Config) -> timedelta:
     """``[comm] init_timeout_seconds``: what every group waits until the first step is done."""
     return timedelta(seconds=config.comm.init_timeout_seconds)
-
-
-def after_optimizers_built(optimizers, model_parts, parallel_dims, *, protocol, meter,
-                           timeout: timedelta) -> None:  # fmt: skip
-    """``ModelSpec.post_optimizer_build_fn``: tell the subspace optimizers which weights are
-    constrained and where U is, (``mapl`` mode) give the optimizer container the
-    ``BoundarySync`` of the MAPL copies, metered on ``meter``, and (``protocol.update_every`` >
-    0, subspace mode) the ``SubspaceTracker`` it runs after every applied step."""
-    bind_subspace(optimizers, model_parts)
-    bind_writers(optimizers, model_parts)
-    sync = BoundarySync(model_parts, meter=meter)
-    if sync.sides and parallel_dims.pp_enabled:
-        pp_mesh = parallel_dims.get_mesh("pp")
-        # a group of its own: on gloo, where sends and receives between two ranks of one group
-        # match in order, the next step's early-posted activation receive would take its message
-        ranks = dist.get_process_group_ranks(pp_mesh.get_group())
-        group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-        sync.use_group(group, pp_mesh.get_local_rank(), pp_mesh.size())
-    optimizers.boundary_sync = sync if sync.sides else None
-    if protocol.update_every > 0 and model_parts[0].subspace:
-        optimizers.subspace = SubspaceTracker(
-            model_parts,
-            optimizers,
-            update_every=protocol.update_every,
-            angle_deg=protocol.update_angle_deg,
-        )
