@@ -321,3 +321,38 @@ def test_fsdp_probe_lines_name_the_network_and_the_share_of_the_step():
         "FSDP stage 1 (16 ranks, gloo): 8 x all-gather 2.50 MB in 500.0 ms + reduce-scatter "
         "8.00 GB in 1000.0 ms = 5 s per step"
     )
+
+
+def test_only_the_logging_node_needs_a_wandb_key():
+    """wandb runs on one rank, the first of the last pipeline stage: on a 2-node, 2-stage
+    launch only node 1 (the launcher's check) and its rank 1 (the worker's) need the key."""
+    from protocol_models.config.preflight import holds_metrics_rank
+
+    config = load_config(str(TINY), [], check_environment=False)  # 2 stages, 2 ranks
+    assert [holds_metrics_rank(config, {"NNODES": "2", "NODE_RANK": n}) for n in "01"] == [
+        False, True,
+    ]  # fmt: skip
+    assert holds_metrics_rank(config, {})  # one node holds every rank
+    assert [holds_metrics_rank(config, {"RANK": r, "LOCAL_RANK": "0"}) for r in "01"] == [
+        False, True,
+    ]  # fmt: skip
+
+
+def test_a_restarted_run_logs_to_one_wandb_run(tmp_path):
+    """Offline wandb: a run launched, then resumed twice from its checkpoint, keeps one run id
+    (``<dump>/wandb/run_id``): three offline run folders, one per launch, all of that run."""
+    dump = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_RUN_ID"}
+    env.update(WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    for steps in (1, 2, 3):
+        result = subprocess.run(
+            ["bash", "scripts/train.sh", str(TINY), "--dump_folder", str(dump),
+             "--metrics.enable_wandb", "--checkpoint.enable", "--checkpoint.interval", "1",
+             "--training.steps", str(steps)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_id = (dump / "wandb" / "run_id").read_text().strip()
+    runs = sorted((dump / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 3 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+    assert all((r / f"run-{run_id}.wandb").is_file() for r in runs)

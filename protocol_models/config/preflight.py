@@ -48,7 +48,7 @@ def validate_environment(config: ProtocolTrainer.Config, *, worker: bool = False
     if config.model.attention == "flex":
         check_flex_toolchain()
         check_flex_shared_memory(config)
-    if config.metrics.enable_wandb:
+    if config.metrics.enable_wandb and holds_metrics_rank(config):
         check_wandb_key()
     _check_resumable(config)
     if config.dataloader.hf_dataset and "LOCAL_RANK" not in os.environ:
@@ -117,6 +117,20 @@ def _check_tokenizer(config: ProtocolTrainer.Config) -> None:
 
 WANDB_KEYLESS_MODES = ("offline", "disabled", "dryrun")
 """``WANDB_MODE`` values that need no API key."""
+
+
+def holds_metrics_rank(config: ProtocolTrainer.Config, env=os.environ) -> bool:
+    """Whether this process (a worker: ``RANK``) or this node (the launcher's check: ``NODE_RANK``
+    of ``NNODES``, ranks numbered node by node) holds the rank that logs: the first rank of the
+    last pipeline stage, as TorchTitan chooses it. Only there does wandb run."""
+    pp = config.parallelism.pipeline_parallel_degree
+    world = config.world_size
+    logging_rank = (world // pp) * (pp - 1)
+    if "RANK" in env and "LOCAL_RANK" in env:
+        return int(env["RANK"]) == logging_rank
+    per_node = world // max(int(env.get("NNODES", "1")), 1)
+    node = int(env.get("NODE_RANK", "0"))
+    return node * per_node <= logging_rank < (node + 1) * per_node
 
 
 def check_wandb_key(env=os.environ) -> None:

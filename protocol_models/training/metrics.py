@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 from dataclasses import dataclass, field
 from math import isnan, nan
 from pathlib import Path
@@ -90,7 +91,16 @@ def _drop_records_from(path: str, step: int) -> None:
 
 class ConfiguredWandbLogger(WandBLogger):
     """TorchTitan's wandb logger, initialized from ``[metrics]`` keys instead of environment
-    variables (which still apply where a key is unset, e.g. ``WANDB_MODE=offline``)."""
+    variables (which still apply where a key is unset, e.g. ``WANDB_MODE=offline``).
+
+    One wandb run per training run: the run id lives in ``<log_dir>/run_id`` (the dump folder's
+    ``wandb/``), written by the first launch (``WANDB_RUN_ID`` if set, else a fresh id) and read
+    by every restart and resubmission, which resume that run (``resume="allow"``). An offline
+    run lands in ``<log_dir>/wandb/offline-run-<time>-<id>`` on the node holding the logging
+    rank (the first rank of the last pipeline stage), one folder per launch, all with the same
+    id: ``wandb sync`` uploads them into the one run."""
+
+    RUN_ID_FILE = "run_id"
 
     def __init__(self, log_dir: str, config: ProtocolMetricsProcessor.Config, config_dict=None):
         import wandb
@@ -98,6 +108,8 @@ class ConfiguredWandbLogger(WandBLogger):
         self.wandb, self.tag = wandb, None
         os.makedirs(log_dir, exist_ok=True)
         wandb.init(
+            id=self.run_id(log_dir),
+            resume="allow",
             project=config.wandb_project or os.getenv("WANDB_PROJECT", "protocol-models"),
             entity=config.wandb_entity or os.getenv("WANDB_ENTITY"),
             name=config.wandb_run_name or os.getenv("WANDB_RUN_NAME"),
@@ -106,6 +118,21 @@ class ConfiguredWandbLogger(WandBLogger):
             dir=log_dir,
             config=config_dict,
         )
+
+    @classmethod
+    def run_id(cls, log_dir: str) -> str:
+        """This training run's wandb id: the one ``log_dir`` holds, else a new one (8 random
+        lowercase hex digits, as wandb's own ids are short lowercase strings), kept there
+        (written whole: a temporary file renamed over it)."""
+        path = os.path.join(log_dir, cls.RUN_ID_FILE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                return f.read().strip()
+        run_id = os.getenv("WANDB_RUN_ID") or secrets.token_hex(4)
+        with open(path + ".partial", "w") as f:
+            f.write(run_id + "\n")
+        os.replace(path + ".partial", path)
+        return run_id
 
     def log_text(self, samples: list[dict[str, str]], step: int) -> None:
         columns = ["prompt", "continuation"]
