@@ -9,7 +9,7 @@ or cannot resume), ``FAIL`` (the run would stop) or ``n/a`` (this config does no
 |---|---|
 | driver | the NVIDIA driver is at or above the torch build's floor (``cuda_driver``) |
 | toolchain | with flex attention: a C compiler and ``Python.h`` for Triton's launchers |
-| wandb key | with wandb logging online: an API key on this node |
+| wandb key | with wandb logging online: an API key on the node that logs |
 | checkpoints | per node, or one folder every node sees (checked by the check run itself) |
 | interfaces | on several nodes: NCCL's interface choice next to a VPN (``interfaces``) |
 | FSDP network | with FSDP on several nodes: which network FSDP's collectives take next to the |
@@ -76,10 +76,12 @@ def toolchain_row(config, env: Mapping[str, str]) -> Row:
 
 
 def wandb_row(config, env: Mapping[str, str]) -> Row:
-    from protocol_models.config.preflight import check_wandb_key
+    from protocol_models.config.preflight import check_wandb_key, holds_metrics_rank
 
     if not config.metrics.enable_wandb:
         return Row("wandb key", "n/a", "metrics.enable_wandb = false")
+    if not holds_metrics_rank(config, env):
+        return Row("wandb key", "n/a", "wandb logs on another node (the last stage's first rank)")
     mode = env.get("WANDB_MODE") or "online"
     return _checked("wandb key", lambda: check_wandb_key(env), f"WANDB_MODE = {mode!r}, key found")
 
