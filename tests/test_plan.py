@@ -323,3 +323,10 @@ def test_emulated_link_carries_the_targets_wire_share_over():
         assert link.target_message_s == pytest.approx(target_message)
         assert link.wire_share == pytest.approx(2 * 16 * target_message / link.target_step_s)
         assert link.latency_ms / 1e3 / message == pytest.approx(0.05 / target_message)
+
+
+def test_the_planner_needs_a_config(capsys):
+    """Without ``--toml`` the planner refuses in one line instead of planning a built-in model."""
+    assert plan_main(["--bandwidth-mbps", "80"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: the planner needs --toml FILE")

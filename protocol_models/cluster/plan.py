@@ -708,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
     known, rest = parser.parse_known_args(argv)
     toml_path, overrides = split_argv(rest)
     try:
+        if toml_path is None:
+            raise UserError("the planner needs --toml FILE, the config to plan (e.g. --toml "
+                            "configs/llama3_2b_protocol.toml); it plans nothing by default")
         if not 0 < known.mfu <= 1:
             raise UserError(f"--mfu {known.mfu:g}: must be in (0, 1]")
         config = load_config(toml_path, overrides, check_environment=False)
