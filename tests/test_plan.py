@@ -222,7 +222,7 @@ def test_compute_divides_by_the_set_peak_or_says_it_assumed_an_l4(capsys):
         config = load_config(None, [*TINY, *extra], check_environment=False)
         compute = predict_step(config, plans, None, 0.0, mfu=0.5)["compute_s"]
         assert compute == pytest.approx(4 * 3e12 / (0.5 * peak * 1e12))
-        assert plan_main([*TINY, *extra]) == 0
+        assert plan_main(["--toml", str(REPO / "tests" / "tiny.toml"), *TINY, *extra]) == 0
         said = "assumed: 121 TFLOP/s peak per GPU" in capsys.readouterr().out
         assert said == (not extra)
 
