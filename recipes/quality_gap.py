@@ -16,8 +16,8 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
 * width over precision: ``subspace`` at k = 30 with 8-bit coordinates: 32 bytes per token, the
   bytes of k = 8 in fp32;
 * constrain only what crosses: ``projected`` mode (full-width writers, the stream projected onto
-  ``F[t] + span(U)`` at each boundary only; ``protocol_models.model.model``) at k = 8 exact and
-  at k = 30 in 8 bits, the same bytes as the subspace arms;
+  ``F[t] + span(U)`` at each boundary only; ``protocol_models.model.model``) at k = 8 exact,
+  the same bytes as the subspace arms;
 * layouts: the reference's 4 stages of 2 blocks (``4x2``), where 6 of 8 blocks are constrained,
   and 2 stages of 4 (``2x4``), where 4 are; the dense twin does not depend on the layout (no
   block is constrained, and Muon treats every block matrix alike), so both layouts share it;
@@ -25,11 +25,13 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
   (``model.freeze_embedding``): if it loses most of its lead, the frozen table every
   downstream stage reads tokens through is what the compressed models lack; and the remedy at
   zero bytes, ``projected`` with ``stage_tables`` (each receiving stage's own learned table);
+* the levers combined: ``projected`` at k = 30 in 8 bits with stage tables;
 * the step size: Muon's step on the writers upstream of the last boundary doubled
   (``optimizer.writer_lr_scale = 2``) in today's mode and in its dense twin (the same
   matrices);
 * the token trend: 300, 1,200 and 2,400 steps (warm-up and the validation and checkpoint
-  intervals scaled with the budget). 1,200 steps of 2,048 tokens read the bundled training text
+  intervals scaled with the budget; the 2,400-step pair is the dense twin and ``projected``
+  with stage tables). 1,200 steps of 2,048 tokens read the bundled training text
   (~1.6M tokens) ~1.5 times, 2,400 steps ~3 times.
 
 The dense twins and today's subspace arms at 300 and 1,200 steps are the scale study's runs
@@ -47,7 +49,7 @@ import json
 import statistics
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from recipes.common import (
     PARALLEL_RUNS,
@@ -146,23 +148,26 @@ def today(steps: int, bits: int = 0) -> Arm:
     return Arm("subspace", bits=bits, steps=steps, scale_name=scale)
 
 
-SAME_BYTES = [Arm("subspace", k=30, bits=8), Arm("projected"), Arm("projected", k=30, bits=8)]
+SAME_BYTES = [Arm("subspace", k=30, bits=8), Arm("projected"), Arm("projected", stage_tables=True)]
 """The same-bytes candidates at the reference layout (32 bytes per token per boundary)."""
-SAME_BYTES_1200 = [Arm(a.method, a.k, a.bits, steps=1200) for a in SAME_BYTES]
+COMBINED = Arm("projected", k=30, bits=8, stage_tables=True)
+"""The levers together: width over precision, projection only at the boundary, stage tables."""
 PHASES: list[list[Arm]] = [
-    [dense(1200), today(1200), today(1200, 8), SAME_BYTES_1200[0], SAME_BYTES_1200[1],
-     Arm("dense", steps=1200, frozen_embedding=True),
-     Arm("projected", steps=1200, stage_tables=True)],
-    [dense(300), today(300), today(300, 8), *SAME_BYTES[:2]],
-    [Arm("subspace", stages=2), Arm("projected", stages=2)],
+    [dense(1200), today(1200), today(1200, 8), replace(SAME_BYTES[2], steps=1200),
+     replace(COMBINED, steps=1200)],
+    [dense(300), today(300), today(300, 8), *SAME_BYTES, COMBINED],
+    [Arm("subspace", stages=2), Arm("projected", stages=2),
+     Arm("projected", stages=2, stage_tables=True)],
+    [replace(SAME_BYTES[0], steps=1200), replace(SAME_BYTES[1], steps=1200),
+     Arm("dense", steps=1200, frozen_embedding=True)],
     [Arm("subspace", steps=1200, writer_lr_scale=2), Arm("dense", steps=1200, writer_lr_scale=2)],
-    [SAME_BYTES_1200[2], SAME_BYTES[2]],
-    [dense(2400), today(2400)],
+    [dense(2400), replace(SAME_BYTES[2], steps=2400)],
 ]  # fmt: skip
-"""The order the study trains in: the width and projection levers at 1,200 steps (the
-acceptance budget) with the token-table diagnostic and the stage tables, their 300-step points
-(does the gap widen?), the 2-stage layout, the step-size arm, the two levers combined, the
-2,400-step pair. A session that stops between phases leaves complete rows."""
+"""The order the study trains in: the best configurations at 1,200 steps (the acceptance
+budget), the 300-step points of every same-bytes arm (does the gap widen?), the 2-stage layout,
+the single levers and the token-table diagnostic at 1,200 steps, the step-size arm, the
+2,400-step pair. Within a phase every arm's first seed trains before any second one; the next
+phase's runs start as slots free up."""
 ARMS = [a for phase in PHASES for a in phase]
 
 
@@ -213,22 +218,23 @@ def run_study(names: set[str] | None = None) -> None:
     """Train every run results.json lacks, phase by phase, every arm's first seed before any
     second one (with ``names``, only those arms')."""
     results = load_results()
-    for phase in PHASES:
-        jobs = [(a, s) for s in SEEDS for a in phase if names is None or a.name in names
-                if str(s) not in results["runs"].get(a.name, {}).get("seeds", {})]  # fmt: skip
+    jobs = [(a, s) for phase in PHASES for s in SEEDS for a in phase
+            if names is None or a.name in names
+            if str(s) not in results["runs"].get(a.name, {}).get("seeds", {})]  # fmt: skip
 
-        def one(job):
-            arm, seed = job
-            entry = measure(arm, seed)
-            with _SAVE:
-                row = results["runs"].setdefault(arm.name, {"arm": asdict(arm),
-                                                            **bytes_per_token(arm), "seeds": {}})
-                row["seeds"][str(seed)] = entry
+    def one(job):
+        arm, seed = job
+        entry = measure(arm, seed)
+        with _SAVE:
+            row = results["runs"].setdefault(
+                arm.name, {"arm": asdict(arm), **bytes_per_token(arm), "seeds": {}}
+            )
+            row["seeds"][str(seed)] = entry
             save(results)
-            print(f"done: {arm.name} seed {seed} ({entry['wall_s']:.0f} s)", flush=True)
+        print(f"done: {arm.name} seed {seed} ({entry['wall_s']:.0f} s)", flush=True)
 
-        with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-            list(pool.map(one, jobs))
+    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+        list(pool.map(one, jobs))
 
 
 def gaps(results: dict, arm: Arm) -> list[float] | None:
@@ -260,7 +266,7 @@ def render_table(results: dict) -> str:
               "per seed)?", ""]  # fmt: skip
     for short in [a for a in ARMS if a.steps == REFERENCE_STEPS and a.method != "dense"
                   and a.stages == REFERENCE_STAGES]:  # fmt: skip
-        long = Arm(short.method, short.k, short.bits, steps=1200)
+        long = replace(short, steps=1200)
         a, b = gaps(results, short), gaps(results, long)
         change = ", ".join(f"{y - x:+.2f}" for x, y in zip(a, b, strict=True)) if a and b else (
             "pending")  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import time
@@ -10,12 +11,17 @@ import time
 import pytest
 from conftest import REPO
 
+from protocol_models.cluster.advice import checkpoint_disk
 from protocol_models.cluster.emulate import emulated_link
+from protocol_models.cluster.network import Link, boundary_links
 from protocol_models.cluster.plan import (
     ASSUMED_PEAK_TFLOPS,
     GIB,
+    REGION,
     StagePlan,
     _minimax_split,
+    fsdp_bytes,
+    fsdp_seconds,
     plan_stages,
     predict_async_step,
     predict_step,
@@ -23,11 +29,18 @@ from protocol_models.cluster.plan import (
     stage_cost,
     stage_params,
 )
-from protocol_models.cluster.plan import main as plan_main
+from protocol_models.cluster.planner import main as plan_main
 from protocol_models.config.run_config import load_config
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.model import ModelArch
-from protocol_models.wire.link import transfer_seconds
+from protocol_models.training.optimizers import OPTIMIZERS
+from protocol_models.wire.link import tcp_wire_bytes, transfer_seconds
+
+
+def links(config, mbps: float | None, ms: float) -> list[Link]:
+    """Every boundary of ``config`` on one link (the planner without ``--regions``)."""
+    return boundary_links(config, Link(mbps, ms))
+
 
 CONFIGS = ["llama3_8b_protocol", "llama3_8b_dense", "llama3_2b_protocol", "llama3_2b_dense"]
 
@@ -75,6 +88,25 @@ def test_planner_refuses_a_layout_that_does_not_fit():
     )  # fmt: skip
     assert result.returncode == 1
     assert "more than hardware.usable_memory_gib = 22.5" in result.stderr
+
+
+def test_remedies_are_ranked_by_the_memory_they_leave(capsys):
+    """The 2B with full logits on its last stage does not fit an L4: each remedy is planned
+    alone and printed with the largest stage's GiB after it, smallest first; the chunked loss
+    is the one that fits."""
+    toml = str(REPO / "configs/llama3_2b_protocol.toml")
+    assert plan_main(["--toml", toml, "--model.loss_chunk_tokens", "0"]) == 1
+    out = capsys.readouterr().out
+    remedies = re.findall(r"^  \d+\. (.+?): ([\d.]+) GiB, (fits|still too large)", out,
+                          re.MULTILINE)  # fmt: skip
+    sizes = [float(gib) for _, gib, _ in remedies]
+    assert len(remedies) >= 4 and sizes == sorted(sizes)
+    assert all((gib <= 22.5) == (verdict == "fits") for (_, _, verdict), gib
+               in zip(remedies, sizes, strict=True))  # fmt: skip
+    assert remedies[0][0] == "the loss in chunks of 1024 tokens" and remedies[0][2] == "fits"
+    chunked = load_config(toml, [], check_environment=False)  # the config's own 1024
+    assert float(remedies[0][1]) == pytest.approx(
+        max(p.total_bytes for p in plan_stages(chunked)) / GIB, abs=0.005)  # fmt: skip
 
 
 # A tiny layout whose every memory term and FLOP count is checked against the formulas by hand:
@@ -179,11 +211,11 @@ def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
     plans = [StagePlan(s, range(s, s + 1), 0, {}, flops, 2 * flops) for s in range(3)]
     t = flops / (0.5 * 121e12)
     stages, microbatches = 3, 4
-    alone = predict_step(config, plans, None, 0.0, mfu=0.5)
+    alone = predict_step(config, plans, links(config, None, 0.0), mfu=0.5)
     assert alone["step_s"] == pytest.approx((microbatches + stages - 1) * 3 * t)  # GPipe bubble
     assert alone["compute_s"] == pytest.approx(microbatches * 3 * t)
     assert alone["bubble_s"] == pytest.approx((stages - 1) * 3 * t)
-    linked = predict_step(config, plans, 80.0, 50.0, mfu=0.5)
+    linked = predict_step(config, plans, links(config, 80.0, 50.0), mfu=0.5)
     payload = 2 * (32 * 4 * 2)  # 2 replicas share the link; 32 tokens x k=4 x bf16
     w = 8 * (payload + 52) / 80e6  # one TCP segment's headers
     # the norm is exchanged, but the replicas' losses need a reduction: the log step's metrics
@@ -200,7 +232,7 @@ def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
                                       "--transport.exchange_grad_norm", "false",
                                       "--hardware.device", "cpu"],  # gloo: receiver-driven
                                check_environment=False)  # fmt: skip
-    jit = predict_step(just_in_time, plans, 80.0, 50.0, mfu=0.5)
+    jit = predict_step(just_in_time, plans, links(just_in_time, 80.0, 50.0), mfu=0.5)
     link = w + 0.05
     fwd = 3 * t + 2 * link + 3 * max(t, 0.05 + link + t)
     bwd = 3 * 2 * t + 2 * link + 3 * max(2 * t, 0.05 + link + 2 * t)
@@ -210,7 +242,7 @@ def test_step_time_is_the_gpipe_pipeline_with_links_as_stages():
     on_nccl = load_config(None, [*logged, "--transport.prepost_receives", "false",
                                  "--transport.exchange_grad_norm", "false"],
                         check_environment=False)  # fmt: skip
-    nccl = predict_step(on_nccl, plans, 80.0, 50.0, mfu=0.5)
+    nccl = predict_step(on_nccl, plans, links(on_nccl, 80.0, 50.0), mfu=0.5)
     assert nccl["step_s"] == pytest.approx(linked["step_s"] + all_reduce)
 
 
@@ -220,7 +252,7 @@ def test_compute_divides_by_the_set_peak_or_says_it_assumed_an_l4(capsys):
     plans = [StagePlan(s, range(s, s + 1), 0, {}, 1e12, 2e12) for s in range(3)]
     for extra, peak in (([], ASSUMED_PEAK_TFLOPS), (["--hardware.peak_tflops", "989"], 989.0)):
         config = load_config(None, [*TINY, *extra], check_environment=False)
-        compute = predict_step(config, plans, None, 0.0, mfu=0.5)["compute_s"]
+        compute = predict_step(config, plans, links(config, None, 0.0), mfu=0.5)["compute_s"]
         assert compute == pytest.approx(4 * 3e12 / (0.5 * peak * 1e12))
         assert plan_main(["--toml", str(REPO / "tests" / "tiny.toml"), *TINY, *extra]) == 0
         said = "assumed: 121 TFLOP/s peak per GPU" in capsys.readouterr().out
@@ -253,8 +285,8 @@ def test_async_step_has_no_fill_and_drain_but_at_flushes():
     plans = [StagePlan(s, range(s, s + 1), 0, {}, flops, 2 * flops) for s in range(3)]
     t, w, latency = flops / (0.5 * 121e12), 8 * (32 * 4 * 2 + 52) / 80e6, 0.05
     for mbps, ms in ((None, 0.0), (80.0, 50.0)):
-        sync = predict_step(config, plans, mbps, ms, mfu=0.5)
-        result = predict_async_step(config, plans, sync, mbps, ms, mfu=0.5)
+        sync = predict_step(config, plans, links(config, mbps, ms), mfu=0.5)
+        result = predict_async_step(config, plans, sync, links(config, mbps, ms), mfu=0.5)
         loop = 2 * (latency + w) + 3 * t if mbps else 3 * t
         assert result["hop"] == 1 and result["hop_needed"] == math.ceil(loop / (3 * t))
         steady = 4 * max(3 * t, loop, w if mbps else 0.0)
@@ -330,3 +362,62 @@ def test_the_planner_needs_a_config(capsys):
     assert plan_main(["--bandwidth-mbps", "80"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: the planner needs --toml FILE")
+
+
+def test_two_region_plan_prices_the_crossing_boundary_and_the_run(capsys):
+    """The 2B on 8 L4s in 2 regions of 4 nodes: only boundary 3 crosses the 80 Mbit/s + 50 ms
+    link, so the fill and drain's latency is 2 x (50 ms + 6 x 0.5 ms); the report prints the
+    run's hours and GPU-hours from the predicted step, flags the last stage (the LM head), and
+    proposes a layout with more tokens per GPU-hour, which planned on its own is."""
+    toml = str(REPO / "configs/llama3_2b_protocol.toml")
+    config = load_config(toml, [], check_environment=False)
+    slow = Link(80.0, 50.0)
+    links = boundary_links(config, slow, [4, 4], REGION)
+    assert [link.crosses for link in links] == [False, False, False, True, False, False, False]
+    predicted = predict_step(config, plan_stages(config), links, 0.4)
+    assert predicted["latency_s"] == pytest.approx(2 * (0.05 + 6 * 0.0005))
+    assert plan_main(["--toml", toml, "--regions", "4,4", "--bandwidth-mbps", "80",
+                      "--latency-ms", "50"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "network: boundary 3 between regions at 80 Mbit/s + 50 ms" in out
+    hours = predicted["step_s"] * config.training.steps / 3600
+    assert "| the run's 100,000 steps: hours | " in out
+    assert re.search(rf"hours \| [\d,.]+ h \| {hours:,.1f} h \|", out)
+    assert re.search(rf"GPU-hours \| [\d,]+ \| {8 * hours:,.0f} \|", out)
+    assert "lopsided: stage 7 computes" in out and "LM head" in out
+    better = re.search(r"better layout: (\d+) stages of (\[[\d, ]+\]) blocks .*\((configured "
+                       r"[\d,]+): ([\d.]+)x", out)  # fmt: skip
+    assert better and float(better[4]) > 1
+    stages, split = int(better[1]), better[2]
+    assert stages < 8
+    proposed = load_config(toml, ["--parallelism.pipeline_parallel_degree", str(stages),
+                                  "--protocol.layers_per_stage", split],
+                           check_environment=False)  # fmt: skip
+    its_links = [slow] + [REGION] * (stages - 2)  # the regions' one crossing, wherever it is
+    its = predict_step(proposed, plan_stages(proposed), its_links, 0.4)
+    mine = predicted["tokens_per_s"] / 8
+    assert its["tokens_per_s"] / stages == pytest.approx(float(better[4]) * mine, rel=0.01)
+    assert plan_main(["--toml", toml, "--regions", "3,4"]) == 2
+    assert "--regions '3,4'" not in capsys.readouterr().err  # one line naming the nodes instead
+
+
+def test_fsdp_inside_a_region_and_the_checkpoint_disk():
+    """The 8B's stages are FSDP over 16 GPUs on two 8-GPU nodes: each GPU all-gathers 15/16
+    of its stage's bf16 parameters and reduce-scatters 15/16 of its fp32 gradients per step
+    over the network inside the region, with 2 x 15 ring rounds of its latency; on one
+    16-GPU node nothing crosses the network. A checkpoint holds each GPU's 1/16 of its stage's
+    fp32 parameters and optimizer state; a node keeps keep_latest_k + 1 of them."""
+    toml = str(REPO / "configs/llama3_8b_protocol.toml")
+    config = load_config(toml, [], check_environment=False)
+    plans = plan_stages(config)
+    params = plans[1].params
+    assert fsdp_bytes(config, params) == pytest.approx((2 * params * 15 / 16, 4 * params * 15 / 16))
+    seconds = fsdp_seconds(config, plans[1], REGION)
+    assert seconds == pytest.approx(8 * tcp_wire_bytes(6 * params * 15 / 16) / 100e9 + 30 * 5e-4)
+    one_node = load_config(toml, ["--hardware.gpus_per_node", "16"], check_environment=False)
+    assert fsdp_seconds(one_node, plans[1], REGION) == 0.0
+    state = 4 + OPTIMIZERS[config.optimizer.name].state_bytes
+    largest = max(p.params for p in plans)
+    one, disk = checkpoint_disk(config, plans)
+    assert one == pytest.approx(8 * state * largest / 16)
+    assert disk == pytest.approx((config.checkpoint.keep_latest_k + 1) * one)

@@ -38,6 +38,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from protocol_models.cluster.network import Link, boundary_links
 from protocol_models.cluster.plan import message_bytes, plan_stages, predict_step
 from protocol_models.config.run_config import load_config
 from protocol_models.tools.errors import UserError
@@ -89,7 +90,8 @@ def emulated_link(
             "emulation needs reference_step_s > 0, bandwidth_mbps > 0 and latency_ms >= 0"
         )
     dense_t, dense_r = dense_twin(target), dense_twin(reference)
-    step_t = predict_step(dense_t, plan_stages(dense_t), None, 0.0, mfu)["step_s"]
+    no_link = boundary_links(dense_t, Link(None, 0.0))
+    step_t = predict_step(dense_t, plan_stages(dense_t), no_link, mfu)["step_s"]
     bytes_t = target.replicas * message_bytes(dense_t)[0]
     latency_s, bps = latency_ms / 1e3, bandwidth_mbps * 1e6
     message_t = transfer_seconds(bytes_t, bps, latency_s)

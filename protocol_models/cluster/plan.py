@@ -1,16 +1,12 @@
-"""Dry-run planner: check a layout before paying for GPUs.
+"""The planner's cost model: what a layout costs in memory, compute and step time before paying
+for GPUs (``python -m protocol_models.plan``, ``cluster.planner``, prints it).
 
-    python -m protocol_models.plan --toml FILE [--bandwidth-mbps B] [--latency-ms L] [--mfu F]
-        [--propose-split] [overrides]
-
-Builds the model on the meta device (no weights, no GPU), splits it into the configured pipeline
-stages exactly as a run would (``stage_layer_ranges``, ``[protocol] layers_per_stage``), and
-prints per stage: parameters, the memory terms below, whether the stage fits ``[hardware]
-usable_memory_gib``, its FLOPs and compute time per step; then the wire bytes per boundary and the
-predicted step time and tokens/s of the configured model next to its twin (dense for a subspace or
-lossy mode, subspace for dense) on the same layout and link; and a balanced ``layers_per_stage``
-(``--propose-split``, or unasked when it beats the configured split by 5% or fits where it does
-not). Exits 1 if a stage does not fit, 2 on a bad config.
+``plan_stages`` builds the model on the meta device (no weights, no GPU) and splits it into the
+configured pipeline stages exactly as a run would (``stage_layer_ranges``, ``[protocol]
+layers_per_stage``); per stage it counts parameters, the memory terms below, and FLOPs;
+``predict_step`` turns them and the network (``cluster.network``: one link per boundary, the
+network inside a region) into a step time split into its terms; ``propose_split`` balances
+``layers_per_stage``.
 
 Memory, bytes per GPU of stage ``s`` at the start of the backward (every in-flight microbatch's
 activations alive). ``P``: the stage's parameters; ``D``: ``data_parallel_shard_degree``; ``a``:
@@ -71,8 +67,9 @@ replicas of a boundary share the link) and arrives one latency ``L`` after it le
 queued back to back overlap their latencies, as ``protocol_models.wire.link`` simulates (sizes:
 ``wire.sizes.message_bytes``). With pre-posted receives (``[transport] prepost_receives``, the
 default) every receive is posted before its message is sent, so a pass over servers with
-per-microbatch times ``t_i`` takes ``sum(stage t_i) + links (w + L) + (M - 1) max(t_i, w)``:
-with no link and equal stages ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
+per-microbatch times ``t_i`` takes ``sum(stage t_i) + sum over links (w_b + L_b) + (M - 1)
+max(t_i, w_b)`` (each boundary ``b`` its own link, ``cluster.network``): with no link and
+equal stages ``(M + S - 1) t``, the GPipe bubble ``(S - 1) / (M + S - 1)``.
 Without pre-posting, gloo's receiver-driven transport (a CPU config) has a stage post its next
 receive only after computing the previous microbatch, and the sender writes only once that
 receive's notice crossed the link, so a link and the stage it feeds serve a microbatch together
@@ -92,9 +89,12 @@ plus, for a method whose boundary stages exchange weights' gradients before the 
 (MAPL: ``sync_bytes``), one transfer of the larger direction, every boundary at once. The
 prediction is printed as its terms: ``compute`` (``M`` times the slowest stage's per-microbatch
 forward, and backward), ``bubble`` (the other stages' share of the passes: the pipeline's fill and
-drain), ``latency`` (the fill and drain's ``2 (S - 1) L``), ``bytes`` (serialization: each pass's
-first message per link, and a link slower than every stage) and ``collectives``. FSDP's collectives
-inside a region and the optimizer step are not counted.
+drain), ``latency`` (the fill and drain's ``2 sum L_b``), ``bytes`` (serialization: each pass's
+first message per link, and a link slower than every stage), ``collectives`` (at the largest
+latency of any boundary: a ring's round waits for its slowest hop) and ``fsdp``: a stage whose
+data-parallel ranks span nodes all-gathers its parameters and reduce-scatters its gradients
+once per step over the network inside a region (``fsdp_bytes``), not overlapped (an upper
+bound), the slowest stage's. The optimizer step is not counted.
 
 Next to it, every column predicts the ``Async1F1B`` step where the config check allows it (not
 on NCCL, a CUDA config: ``n/a`` and the reason) (``predict_async_step``): no fill and
@@ -115,22 +115,24 @@ memory.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-from protocol_models.config.run_config import check_async, load_config, split_argv
-from protocol_models.model.boundary import BOUNDARIES, anchored, label
+from protocol_models.cluster.network import (
+    REGION_LATENCY_MS,
+    REGION_MBPS,
+    Link,
+    stage_spans_nodes,
+)
+from protocol_models.model.boundary import BOUNDARIES, anchored
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.model import build_model_config
-from protocol_models.tools.errors import UserError
 from protocol_models.training.optimizers import OPTIMIZERS
 from protocol_models.wire import codec_for
 from protocol_models.wire.async_schedule import (
@@ -149,6 +151,8 @@ MARGIN = 1.10
 CUDA_CONTEXT = 1 * GIB
 UNBALANCED = 0.05
 """Print a proposed split unasked when it cuts the busiest stage's compute time by this much."""
+REGION = Link(REGION_MBPS, REGION_LATENCY_MS, crosses=False)
+"""The network inside a region the planner assumes unless told (``network.REGION_MBPS``)."""
 ASSUMED_PEAK_TFLOPS = 121.0
 """The peak of one GPU the compute estimate assumes when ``[hardware] peak_tflops`` is unset: an
 NVIDIA L4's dense bf16 (its datasheet's 242 TFLOP/s with sparsity, halved)."""
@@ -270,7 +274,7 @@ def stage_cost(
     the backward's including the recompute (the module docstring has the formulas)."""
     arch, protocol, par = config.model, config.protocol, config.parallelism
     n_stages, last = config.layout_stages, stage == config.layout_stages - 1
-    a, n_mb, tokens = _microbatching(config)
+    a, n_mb, tokens = microbatching(config)
     d, v, heads, seq = arch.dim, arch.vocab_size, arch.n_heads, config.training.seq_len
     kv = (arch.n_kv_heads or arch.n_heads) * (d // heads)
     holds_table = anchored(protocol.mode) and n_stages > 1
@@ -347,12 +351,12 @@ def propose_split(config, mfu: float) -> tuple[list[int], float, float] | None:
     seconds per step, largest stage's bytes with the margin)``, or None if no split fits."""
     n_layers, n_stages = config.model.n_layers, config.layout_stages
     limit = config.hardware.usable_memory_gib * GIB
-    _, n_mb, _ = _microbatching(config)
+    _, n_mb, _ = microbatching(config)
     costs: dict[tuple[int, int], tuple[float, float]] = {}
     for s in range(n_stages):
         for n in range(1, n_layers - n_stages + 2):
             memory, fwd, bwd = stage_cost(config, s, n, stage_params(config, s, n))
-            seconds = _compute_seconds(config, n_mb * (fwd + bwd), mfu)
+            seconds = compute_seconds(config, n_mb * (fwd + bwd), mfu)
             costs[s, n] = (seconds, sum(memory.values()) * MARGIN)
 
     def seconds(s: int, n: int) -> float:
@@ -407,7 +411,7 @@ def message_bytes(config) -> tuple[int, int]:
     """Bytes of one microbatch's forward and backward message at a boundary
     (``wire.sizes.message_bytes`` at the ``[mb, seq, d]`` boundary in the compute dtype)."""
     arch, protocol = config.model, config.protocol
-    act_bytes, _, _ = _microbatching(config)
+    act_bytes, _, _ = microbatching(config)
     codec = codec_for(config)
     shape = (config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len,
              arch.dim)  # fmt: skip
@@ -432,7 +436,7 @@ def wire_plan(config) -> dict:
     """Bytes per step at each boundary (both directions, all data-parallel replicas), the
     configured mode's activations and dense's, and the mode's per-step exchange apart from the
     activations (``sync_bytes``; in no ratio)."""
-    act_bytes, n_mb, tokens = _microbatching(config)
+    act_bytes, n_mb, tokens = microbatching(config)
     replicas = config.replicas
     fwd, bwd = message_bytes(config)
     dense = 2 * n_mb * replicas * tokens * config.model.dim * act_bytes
@@ -447,80 +451,122 @@ def wire_plan(config) -> dict:
 
 
 def predict_step(
-    config, plans: list[StagePlan], bandwidth_mbps: float | None, latency_ms: float, mfu: float
+    config, plans: list[StagePlan], links: list[Link], mfu: float, region: Link = REGION
 ) -> dict:
     """The predicted step of ``plans`` (module docstring: per-stage compute per microbatch, the
-    links as pipeline servers, a forward then a backward pass, the collectives), as seconds:
-    ``busiest_compute_s`` (the busiest stage's compute per step), ``link_s`` (one forward
-    message on a link), the terms ``compute_s``, ``bubble_s``, ``latency_s``, ``bytes_s``,
-    ``collectives_s`` and their sum ``step_s``; and ``tokens_per_s`` over all data-parallel
+    links as pipeline servers, a forward then a backward pass, the collectives, FSDP inside a
+    region), ``links[b]`` the network of boundary ``b`` (``network.boundary_links``), as
+    seconds: ``busiest_compute_s`` (the busiest stage's compute per step), ``link_s`` (one
+    forward message on the slowest link), the terms ``compute_s``, ``bubble_s``, ``latency_s``,
+    ``bytes_s``, ``collectives_s``, ``fsdp_s`` (``fsdp_seconds`` over ``region``, the network
+    inside a region) and their sum ``step_s``; and ``tokens_per_s`` over all data-parallel
     replicas."""
-    _, n_mb, _ = _microbatching(config)
+    _, n_mb, _ = microbatching(config)
     replicas, transport = config.replicas, config.transport
-    bandwidth_bps = bandwidth_mbps * 1e6 if bandwidth_mbps else math.inf
-    latency = latency_ms / 1e3
-    terms = dict.fromkeys(("compute_s", "bubble_s", "latency_s", "bytes_s", "collectives_s"), 0.0)
+    terms = dict.fromkeys(
+        ("compute_s", "bubble_s", "latency_s", "bytes_s", "collectives_s", "fsdp_s"), 0.0
+    )
 
-    def wire_seconds(nbytes: int) -> float:
-        return serialization_seconds(replicas * nbytes, bandwidth_bps)
+    def wire_seconds(nbytes: int, link: Link) -> float:
+        return serialization_seconds(replicas * nbytes, link.bps)
 
-    def one_pass(stage_seconds: list[float], nbytes: int) -> None:
-        """Add one pass over ``stage_seconds`` (in the order it visits them) to ``terms``."""
-        links, wire, slowest = len(stage_seconds) - 1, wire_seconds(nbytes), max(stage_seconds)
+    def one_pass(stage_seconds: list[float], nbytes: int, path: list[Link]) -> None:
+        """Add one pass over ``stage_seconds`` through the links ``path`` (both in the order
+        it visits them) to ``terms``."""
+        wires, slowest = [wire_seconds(nbytes, link) for link in path], max(stage_seconds)
         terms["compute_s"] += n_mb * slowest
         terms["bubble_s"] += sum(stage_seconds) - slowest
-        terms["latency_s"] += links * latency
+        terms["latency_s"] += sum(link.latency_s for link in path)
+        terms["bytes_s"] += sum(wires)
         if transport.prepost_receives or config.hardware.device == "cuda":  # NCCL: sender-driven
-            terms["bytes_s"] += links * wire + (n_mb - 1) * max(0.0, wire - slowest)
+            terms["bytes_s"] += (n_mb - 1) * max([0.0, *(w - slowest for w in wires)])
             return
-        periods = [rendezvous_period(wire + latency, latency, t) for t in stage_seconds[1:]]
-        terms["bytes_s"] += links * wire  # the rest of the rendezvous stall counts as latency
+        periods = [rendezvous_period(w + link.latency_s, link.latency_s, t)
+                   for w, link, t in zip(wires, path, stage_seconds[1:], strict=True)]  # fmt: skip
+        # the rest of the rendezvous stall counts as latency
         terms["latency_s"] += (n_mb - 1) * max([0.0, *(p - slowest for p in periods)])
 
     fwd_msg, bwd_msg = message_bytes(config)
-    fwd = [_compute_seconds(config, p.fwd_flops, mfu) for p in plans]
-    bwd = [_compute_seconds(config, p.bwd_flops, mfu) for p in plans]
-    one_pass(fwd, fwd_msg)
-    one_pass(bwd[::-1], bwd_msg)
-    terms["collectives_s"] = collective_rounds_per_step(config) * latency
+    fwd = [compute_seconds(config, p.fwd_flops, mfu) for p in plans]
+    bwd = [compute_seconds(config, p.bwd_flops, mfu) for p in plans]
+    one_pass(fwd, fwd_msg, links)
+    one_pass(bwd[::-1], bwd_msg, links[::-1])
+    worst = max(links, key=lambda link: link.latency_s, default=Link(None, 0.0))
+    terms["collectives_s"] = collective_rounds_per_step(config) * worst.latency_s
     if any(sync_bytes(config)):  # every boundary's exchange at once, before the optimizer step
-        terms["collectives_s"] += transfer_seconds(
-            replicas * max(sync_bytes(config)), bandwidth_bps, latency
+        terms["collectives_s"] += (
+            max(
+                transfer_seconds(replicas * max(sync_bytes(config)), link.bps, link.latency_s)
+                for link in links
+            )
+            if links
+            else 0.0
         )
+    terms["fsdp_s"] = max(fsdp_seconds(config, p, region) for p in plans)
     step = sum(terms.values())
     tokens = replicas * config.training.local_batch_size * config.training.seq_len
     return {
         "busiest_compute_s": n_mb * max(f + b for f, b in zip(fwd, bwd, strict=True)),
-        "link_s": wire_seconds(fwd_msg) + latency,
+        "link_s": max(
+            (wire_seconds(fwd_msg, link) + link.latency_s for link in links), default=0.0
+        ),  # fmt: skip
         **terms,
         "step_s": step,
         "tokens_per_s": tokens / step,
     }
 
 
+def fsdp_bytes(config, params: int) -> tuple[float, float]:
+    """Bytes one GPU of a stage with ``params`` parameters sends per step in its data-parallel
+    collectives, ``(all-gather, gradient reduction)``: FSDP's all-gather of the compute-dtype
+    parameters and reduce-scatter of the fp32 gradients (each ``(D - 1) / D`` of the stage's,
+    once per step: under pipeline parallelism TorchTitan does not reshard between
+    microbatches), and across ``R`` replicas (HSDP) the all-reduce of the fp32 gradient shard,
+    ``2 (R - 1) / R`` of it."""
+    par = config.parallelism
+    shards, copies = max(par.data_parallel_shard_degree, 1), par.data_parallel_replicate_degree
+    a, _, _ = microbatching(config)
+    gather = a * params * (shards - 1) / shards
+    reduce = 4 * params * (shards - 1) / shards + 8 * params / shards * (copies - 1) / copies
+    return gather, reduce
+
+
+def fsdp_seconds(config, plan: StagePlan, region: Link) -> float:
+    """The stage's data-parallel collectives (``fsdp_bytes``) over ``region`` with their ring
+    rounds' latency, not overlapped with compute (an upper bound: FSDP prefetches the next
+    block's parameters while one computes); 0 where the stage's ranks share one node (NVLink or
+    PCIe, not modelled)."""
+    if config.replicas < 2 or not stage_spans_nodes(config, plan.stage):
+        return 0.0
+    rounds = 2 * (config.replicas - 1)
+    return serialization_seconds(sum(fsdp_bytes(config, plan.params)), region.bps) + (
+        rounds * region.latency_s
+    )
+
+
 def predict_async_step(
-    config, plans: list[StagePlan], synchronous: dict, bandwidth_mbps: float | None,
-    latency_ms: float, mfu: float,
-) -> dict:  # fmt: skip
+    config, plans: list[StagePlan], synchronous: dict, links: list[Link], mfu: float
+) -> dict:
     """The ``Async1F1B`` step of ``plans`` (``wire.async_schedule``), next to the synchronous
     prediction ``synchronous`` of the same layout: no fill and drain in steady state, each stage a
     microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` (``T`` the busiest stage's
-    forward + backward, ``x`` a message's serialization, ``d`` the hop depth: the configured one
-    under ``Async1F1B``, else the smallest that hides the round trip, at most the largest the
-    microbatches allow), so ``M`` periods a step, and at every flush (validation, checkpoint, last
-    step) the synchronous step's fill and drain. No collective is waited for between flushes (the
-    norms travel per batch, a log step's metrics gather is not waited on). Seconds:
+    forward + backward, ``x`` a message's serialization on the slowest link, ``L`` the largest
+    latency, ``d`` the hop depth: the configured one under ``Async1F1B``, else the smallest that
+    hides the round trip, at most the largest the microbatches allow), so ``M`` periods a step,
+    and at every flush (validation, checkpoint, last step) the synchronous step's fill and drain.
+    No collective is waited for between flushes (the norms travel per batch, a log step's
+    metrics gather is not waited on). Seconds:
     ``hop_needed``, ``hop``, ``steady_s``, ``flushes_s`` (amortized per step), ``step_s``;
     ``tokens_per_s``."""
-    _, n_mb, _ = _microbatching(config)
+    _, n_mb, _ = microbatching(config)
     stages, replicas = config.layout_stages, config.replicas
-    bandwidth_bps = bandwidth_mbps * 1e6 if bandwidth_mbps else math.inf
-    latency = latency_ms / 1e3
+    slow = min(links, key=lambda link: link.bps, default=Link(None, 0.0))
+    latency = max((link.latency_s for link in links), default=0.0)
     fwd_msg, bwd_msg = message_bytes(config)
-    wire = max(serialization_seconds(replicas * n, bandwidth_bps) for n in (fwd_msg, bwd_msg))
-    fwd = max(_compute_seconds(config, p.fwd_flops, mfu) for p in plans)
-    bwd = max(_compute_seconds(config, p.bwd_flops, mfu) for p in plans)
-    slot = max(_compute_seconds(config, p.fwd_flops + p.bwd_flops, mfu) for p in plans)
+    wire = max(serialization_seconds(replicas * n, slow.bps) for n in (fwd_msg, bwd_msg))
+    fwd = max(compute_seconds(config, p.fwd_flops, mfu) for p in plans)
+    bwd = max(compute_seconds(config, p.bwd_flops, mfu) for p in plans)
+    slot = max(compute_seconds(config, p.fwd_flops + p.bwd_flops, mfu) for p in plans)
     needed = hop_depth(latency, wire, fwd, bwd, slot)
     if config.parallelism.pipeline_parallel_schedule == ASYNC_SCHEDULE:
         hop = config.transport.async_hop_depth
@@ -565,213 +611,13 @@ def peak_tflops(hardware) -> float:
     return ASSUMED_PEAK_TFLOPS if hardware.peak_tflops is None else hardware.peak_tflops
 
 
-def _assumed_peak(hardware) -> list[str]:
-    """The report's line saying the compute estimate assumed ``ASSUMED_PEAK_TFLOPS`` (none
-    where ``[hardware] peak_tflops`` is set)."""
-    if hardware.peak_tflops is not None:
-        return []
-    return [f"assumed: {ASSUMED_PEAK_TFLOPS:g} TFLOP/s peak per GPU (an NVIDIA L4's dense "
-            "bf16), since [hardware] peak_tflops is unset: set it for your GPU"]  # fmt: skip
-
-
-def _compute_seconds(config, flops: float, mfu: float) -> float:
+def compute_seconds(config, flops: float, mfu: float) -> float:
     return flops / (mfu * peak_tflops(config.hardware) * 1e12)
 
 
-def _microbatching(config) -> tuple[int, int, int]:
+def microbatching(config) -> tuple[int, int, int]:
     """(bytes per activation element, microbatches per step, tokens per microbatch)."""
     training, par = config.training, config.parallelism
     act_bytes = 2 if training.mixed_precision_param == "bfloat16" else 4
     mb = par.pipeline_parallel_microbatch_size
     return act_bytes, training.local_batch_size // mb, mb * training.seq_len
-
-
-def _label(config) -> str:
-    """The mode's label, with its bits where its codec quantizes (not the dense twin's)."""
-    protocol, bits = config.protocol, config.codec.bits
-    quantized = bits and getattr(codec_for(config), "bits", None) == bits
-    return label(protocol.mode, protocol.k) + (f" {bits}-bit" if quantized else "")
-
-
-def render(
-    config,
-    plans: list[StagePlan],
-    wire: dict,
-    predictions: dict[str, dict],
-    bandwidth_mbps: float | None,
-    latency_ms: float,
-    mfu: float,
-) -> str:
-    """The planner's report: layout, the per-stage table, wire bytes, predicted step times."""
-    hw, par, arch = config.hardware, config.parallelism, config.model
-    dp = config.replicas
-    world = config.layout_stages * dp * par.tensor_parallel_degree
-    _, n_mb, _ = _microbatching(config)
-    ac = config.activation_checkpoint
-    ac_name = {FullAC.Config: "full", SelectiveAC.Config: "selective"}.get(type(ac), "none")
-    lines = [
-        f"model: d={arch.dim}, {arch.n_layers} layers, vocab {arch.vocab_size}, {_label(config)}",
-        f"total parameters: {sum(p.params for p in plans):,}",
-        f"layout: {config.layout_stages} pipeline stages x {dp} data-parallel = {world} GPUs "
-        f"({hw.gpus_per_node} per node, {hw.usable_memory_gib:g} GiB usable and "
-        f"{peak_tflops(hw):g} TFLOP/s peak each); blocks per stage "
-        f"{[len(p.layers) for p in plans]}; {n_mb} microbatches of "
-        f"{par.pipeline_parallel_microbatch_size} x {config.training.seq_len} tokens, "
-        f"{par.pipeline_parallel_schedule}, activation_checkpoint {ac_name}, "
-        f"loss_chunk_tokens {getattr(arch, 'loss_chunk_tokens', 0)}",
-        *_assumed_peak(hw),
-        "",
-        "memory per GPU in GiB (fits: total incl. CUDA context x 1.10 <= "
-        f"{hw.usable_memory_gib:g}); compute per GPU per step at MFU {mfu:g}",
-        "",
-        "| stage | layers | ranks (nodes) | params | "
-        + " | ".join(plans[0].memory)
-        + " | total x1.10 | fits | TFLOP/step | compute s/step |",
-        "|---" * (8 + len(plans[0].memory)) + "|",
-    ]
-    for p in plans:
-        first_rank = p.stage * dp * par.tensor_parallel_degree
-        last_rank = first_rank + dp * par.tensor_parallel_degree - 1
-        nodes = f"{first_rank // hw.gpus_per_node}-{last_rank // hw.gpus_per_node}"
-        fits = p.total_bytes <= hw.usable_memory_gib * GIB
-        mem = " | ".join(f"{v / GIB:.2f}" for v in p.memory.values())
-        flops = n_mb * (p.fwd_flops + p.bwd_flops)
-        lines.append(
-            f"| {p.stage} | {p.layers.start}-{p.layers.stop - 1} "
-            f"| {first_rank}-{last_rank} ({nodes}) | {p.params:,} | {mem} "
-            f"| {p.total_bytes / GIB:.2f} | {'yes' if fits else 'NO'} "
-            f"| {flops / 1e12:,.1f} | {_compute_seconds(config, flops, mfu):.2f} |"
-        )
-    stages = config.layout_stages
-    link = f"{bandwidth_mbps:g} Mbit/s" if bandwidth_mbps else "unlimited bandwidth"
-    lines += [
-        "",
-        f"wire per boundary per step (fwd + bwd, all {dp} data-parallel replicas): "
-        f"{wire['per_boundary_bytes'] / 1e6:,.1f} MB ({config.protocol.mode}) vs "
-        f"{wire['dense_per_boundary_bytes'] / 1e6:,.1f} MB dense -> {wire['ratio']:.1f}x; "
-        f"one message {wire['message_bytes'] / 1e3:,.1f} kB"
-        + (
-            f"; plus {wire['sync_per_boundary_bytes'] / 1e6:,.1f} MB of weight gradients "
-            "exchanged per step (both directions)"
-            if wire["sync_per_boundary_bytes"]
-            else ""
-        ),
-        "",
-        f"predicted step on this layout, links at {link} + {latency_ms:g} ms, MFU {mfu:g} of "
-        f"{peak_tflops(hw):g} TFLOP/s; GPipe bubble {stages - 1}/{n_mb + stages - 1} = "
-        f"{(stages - 1) / (n_mb + stages - 1):.0%}",
-        "",
-        "| | " + " | ".join(predictions) + " |",
-        "|---" * (1 + len(predictions)) + "|",
-    ]
-    rows = [
-        ("busiest stage compute per step", lambda r: f"{r['busiest_compute_s']:.2f} s"),
-        ("one forward message on a link", lambda r: f"{r['link_s']:.3f} s"),
-        ("step: compute (slowest stage x M)", lambda r: f"{r['compute_s']:.2f} s"),
-        ("+ bubble (pipeline fill and drain)", lambda r: f"{r['bubble_s']:.2f} s"),
-        ("+ latency (fill and drain on the links)", lambda r: f"{r['latency_s']:.2f} s"),
-        ("+ bytes (serialization)", lambda r: f"{r['bytes_s']:.2f} s"),
-        ("+ collectives across the pipeline", lambda r: f"{r['collectives_s']:.2f} s"),
-        ("= predicted step time", lambda r: f"{r['step_s']:.2f} s"),
-        (f"tokens/s ({world} GPUs)", lambda r: f"{r['tokens_per_s']:,.0f}"),
-    ]
-    async_rows = [
-        ("Async1F1B: hop depth (needed for no wait)",
-         lambda r: f"{r['async']['hop']} ({r['async']['hop_needed']})"),
-        ("Async1F1B: steady step (M periods)", lambda r: f"{r['async']['steady_s']:.2f} s"),
-        ("+ flushes (fill and drain, per step)", lambda r: f"{r['async']['flushes_s']:.2f} s"),
-        ("= Async1F1B step", lambda r: f"{r['async']['step_s']:.2f} s"),
-        (f"Async1F1B tokens/s ({world} GPUs)", lambda r: f"{r['async']['tokens_per_s']:,.0f}"),
-    ]  # fmt: skip
-    for name, cell in rows:
-        lines.append(f"| {name} | " + " | ".join(cell(r) for r in predictions.values()) + " |")
-    for name, cell in async_rows:
-        cells = [cell(r) if r["async"] else "n/a" for r in predictions.values()]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m protocol_models.plan", add_help=True)
-    parser.add_argument("--bandwidth-mbps", type=float, default=None)
-    parser.add_argument("--latency-ms", type=float, default=0.0)
-    parser.add_argument(
-        "--mfu",
-        type=float,
-        default=0.4,
-        help=f"fraction of [hardware] peak_tflops (unset: {ASSUMED_PEAK_TFLOPS:g}; default 0.4)",
-    )
-    parser.add_argument(
-        "--propose-split", action="store_true", help="print the balanced layers_per_stage"
-    )
-    known, rest = parser.parse_known_args(argv)
-    toml_path, overrides = split_argv(rest)
-    try:
-        if toml_path is None:
-            raise UserError("the planner needs --toml FILE, the config to plan (e.g. --toml "
-                            "configs/llama3_2b_protocol.toml); it plans nothing by default")
-        if not 0 < known.mfu <= 1:
-            raise UserError(f"--mfu {known.mfu:g}: must be in (0, 1]")
-        config = load_config(toml_path, overrides, check_environment=False)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    plans = plan_stages(config)
-    other = twin(config)
-    predictions = {}
-    for c, p in sorted([(config, plans), (other, plan_stages(other))],
-                       key=lambda cp: cp[0].protocol.mode != "dense"):  # fmt: skip
-        sync = predict_step(c, p, known.bandwidth_mbps, known.latency_ms, known.mfu)
-        try:
-            check_async(c)
-            sync["async"] = predict_async_step(c, p, sync, known.bandwidth_mbps,
-                                               known.latency_ms, known.mfu)  # fmt: skip
-        except UserError as e:
-            sync["async"], async_refused = None, str(e)
-        predictions[_label(c)] = sync
-    wire = wire_plan(config)
-    print(
-        render(config, plans, wire, predictions, known.bandwidth_mbps, known.latency_ms, known.mfu)
-    )
-    if any(r["async"] is None for r in predictions.values()):
-        print(f"\nAsync1F1B is not predicted for this layout: {async_refused}")
-    limit = config.hardware.usable_memory_gib * GIB
-    too_big = [p for p in plans if p.total_bytes > limit]
-    _print_proposal(config, plans, known.mfu, known.propose_split or bool(too_big))
-    if too_big:
-        worst = max(too_big, key=lambda p: p.total_bytes)
-        print(
-            f"error: stage {worst.stage} needs {worst.total_bytes / GIB:.1f} GiB per GPU with the "
-            f"10% margin, more than hardware.usable_memory_gib = "
-            f"{config.hardware.usable_memory_gib:g} (a balanced protocol.layers_per_stage, "
-            'activation_checkpoint = "full", smaller microbatches, '
-            + ("model.loss_chunk_tokens, " if hasattr(config.model, "loss_chunk_tokens") else "")
-            + "more pipeline stages or data_parallel_shard_degree reduce it)",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def _print_proposal(config, plans: list[StagePlan], mfu: float, asked: bool) -> None:
-    """Print the balanced split if ``asked`` or if it beats the configured one by UNBALANCED."""
-    n_layers, n_stages = config.model.n_layers, config.layout_stages
-    proposal = propose_split(config, mfu)
-    if proposal is None:
-        if asked:
-            print(f"\nno split of {n_layers} blocks over {n_stages} stages fits")
-        return
-    split, busiest, largest = proposal
-    _, n_mb, _ = _microbatching(config)
-    configured = max(
-        _compute_seconds(config, n_mb * (p.fwd_flops + p.bwd_flops), mfu) for p in plans
-    )
-    if asked or (
-        split != [len(p.layers) for p in plans] and busiest <= (1 - UNBALANCED) * configured
-    ):
-        print(
-            f'\nbalanced split: --protocol.layers_per_stage "{split}": busiest stage '
-            f"{busiest:.2f} s compute per step (configured {configured:.2f} s), largest stage "
-            f"{largest / GIB:.2f} GiB with the margin"
-        )
