@@ -9,8 +9,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, TINY, fake_commands, read_jsonl
 
 from protocol_models.training.placement import RankPlace, describe_placement, placement_problem
@@ -184,6 +186,86 @@ def test_per_node_checkpoints_resume_without_a_shared_filesystem(tmp_path):
     for line in refusal(lost):
         assert "a resume: the ranks do not see the same checkpoints" in line, line
         assert "(node 0 sees steps [2, 4]; node 1 sees none)" in line, line
+
+
+@pytest.fixture
+def object_store(tmp_path):
+    """A real S3-compatible server (moto's, on a free localhost port) with one empty bucket;
+    yields the environment every node's S3 client reads (endpoint and keys)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        os.environ.update(env)  # this process's client too (restored below)
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("run-bucket")
+        yield env
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_checkpoints_in_an_object_store_survive_a_lost_node(tmp_path, object_store):
+    """``[checkpoint] folder`` an s3:// URL on a real S3-compatible server: two nodes with
+    their own dump folders write one checkpoint there and nothing on their disks. The run
+    crashes after step 3 (its step-4 checkpoint never completed) and node 1 is replaced by a
+    machine with an empty disk: the relaunch resumes both nodes at step 3 from step 2, every
+    loss equal to the uninterrupted run's. A bucket that does not exist stops the launch with
+    one line, before any worker."""
+    import s3fs
+
+    store = s3fs.S3FileSystem()
+    regions = {0: "west", 1: "east"}
+    args = ["--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4",
+            "--checkpoint.folder", "s3://run-bucket/tiny"]  # fmt: skip
+    dumps = {r: tmp_path / f"node{r}" for r in (0, 1)}
+
+    def launch():
+        return _two_nodes(tmp_path / "logs", args, regions, env=object_store,
+                          node_args={r: ["--dump_folder", str(dumps[r])] for r in (0, 1)})  # fmt: skip
+
+    first = launch()
+    assert [first[r][0] for r in (0, 1)] == [0, 0], first[1][1][-3000:]
+    assert sorted(p.rsplit("/", 1)[1] for p in store.ls("run-bucket/tiny")) == [
+        "run.json", "step-2", "step-4"]  # fmt: skip
+    for dump in dumps.values():
+        assert not (dump / "checkpoint").exists() and not list(dump.glob("s3*"))
+    (metrics,) = [d / "metrics.jsonl" for d in dumps.values() if (d / "metrics.jsonl").exists()]
+    uninterrupted = {r["step"]: r["loss"] for r in read_jsonl(metrics)}
+    store.rm("run-bucket/tiny/step-4", recursive=True)  # the crash: step 4 was never saved
+    metrics.unlink()
+    shutil.rmtree(dumps[1])  # node 1: a fresh machine, an empty disk
+    resumed = launch()
+    for code, output in resumed.values():
+        assert code == 0 and "Training starts at step 3" in output, output[-3000:]
+    assert {r["step"]: r["loss"] for r in read_jsonl(metrics)} == {
+        s: uninterrupted[s] for s in (3, 4)
+    }
+
+    missing = subprocess.run(
+        ["bash", "scripts/train.sh", str(TINY), "--checkpoint.enable", "--checkpoint.folder",
+         "s3://no-such-bucket/run", "--dump_folder", str(tmp_path / "missing")],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **object_store},
+    )  # fmt: skip
+    assert missing.returncode == 2, missing.stdout[-2000:] + missing.stderr[-2000:]
+    (line,) = missing.stderr.strip().splitlines()
+    assert line.startswith("error: checkpoint.folder = 's3://no-such-bucket/run': writing a "
+                           "probe object there failed"), line  # fmt: skip
+    assert "AWS_ENDPOINT_URL" in line and not (tmp_path / "missing").exists()
 
 
 def test_placement_check_and_summary():

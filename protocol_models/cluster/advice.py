@@ -14,6 +14,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torchtitan.tools import filesystem
+
 from protocol_models.cluster.network import Link
 from protocol_models.cluster.plan import (
     GIB,
@@ -128,7 +130,8 @@ def stage_count(config, stages: int, split: list[int] | None = None) -> list[str
 
 
 def checkpoint_disk(config, plans: list[StagePlan]) -> tuple[float, float]:
-    """``(bytes of one checkpoint on the fullest node, bytes of disk that node needs)``.
+    """``(bytes of one checkpoint, bytes of storage it needs)``: on the fullest node's disk
+    with ``per_node``, else in the shared folder or object store (every node's shards).
 
     A checkpoint holds each rank's shard of its stage's fp32 parameters and optimizer state
     (``(4 + o) P / D``; ``o``: the optimizer's ``state_bytes``); a node holds its ranks'. The
@@ -143,8 +146,8 @@ def checkpoint_disk(config, plans: list[StagePlan]) -> tuple[float, float]:
         for rank in range(plan.stage * per_stage, (plan.stage + 1) * per_stage):
             nodes[rank // gpus] = nodes.get(rank // gpus, 0.0) + state * plan.params / shards
     one = max(nodes.values())
-    if not config.checkpoint.per_node:  # one shared folder: every node's shards
-        one = sum(nodes.values())
+    if not config.checkpoint.per_node or filesystem.is_remote(config.checkpoint.folder):
+        one = sum(nodes.values())  # one shared folder or object store: every node's shards
     ckpt = config.checkpoint
     kept = ckpt.keep_latest_k + 1 if ckpt.keep_latest_k else config.training.steps // max(
         ckpt.interval, 1)  # fmt: skip

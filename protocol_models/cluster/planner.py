@@ -261,9 +261,14 @@ def advise(config, plans: list[StagePlan], prediction: dict, variant, links_for,
         ckpt = config.checkpoint
         kept = (f"keep_latest_k = {ckpt.keep_latest_k} and the one being written"
                 if ckpt.keep_latest_k else "keep_latest_k = 0: every checkpoint")  # fmt: skip
-        where = "on each node's own disk" if ckpt.per_node else "in the shared folder"
-        out.append(f"checkpoint disk: {one / GIB:,.1f} GiB per checkpoint {where} (the fullest "
-                   f"node's), {disk / GIB:,.0f} GiB with {kept}")  # fmt: skip
+        if "://" in ckpt.folder:
+            where = f"in the object store {ckpt.folder}"
+        elif ckpt.per_node:
+            where = "on each node's own disk (the fullest node's)"
+        else:
+            where = "in the shared folder"
+        out.append(f"checkpoint storage: {one / GIB:,.1f} GiB per checkpoint {where}, "
+                   f"{disk / GIB:,.0f} GiB with {kept}")  # fmt: skip
     return out
 
 

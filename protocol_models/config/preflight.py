@@ -50,6 +50,7 @@ def validate_environment(config: ProtocolTrainer.Config, *, worker: bool = False
         check_flex_shared_memory(config)
     if config.metrics.enable_wandb and holds_metrics_rank(config):
         check_wandb_key()
+    _check_checkpoint_store(config)
     _check_resumable(config)
     if config.dataloader.hf_dataset and "LOCAL_RANK" not in os.environ:
         corpus.check_hub_dataset(config.dataloader.hf_dataset)
@@ -304,6 +305,21 @@ def _check_writable(dump_folder: str) -> None:
         ) from None
 
 
+def _check_checkpoint_store(config: ProtocolTrainer.Config) -> None:
+    """A checkpoint folder in an object store must be one this node can write
+    (``checkpoint_store.store_problem``)."""
+    if not config.checkpoint.enable:
+        return
+    from protocol_models.training.checkpoint_store import checkpoint_folder, store_problem
+
+    folder = checkpoint_folder(config)
+    problem = store_problem(folder)
+    require(problem is None, f"checkpoint.folder = {folder!r}: {problem}; an object store needs "
+            "its fsspec backend (s3://: pip install 'protocol-models[s3]') and, for an "
+            "S3-compatible service, AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY on every node")  # fmt: skip
+
+
 def _check_resumable(config: ProtocolTrainer.Config) -> None:
     """A checkpoint the run would load must hold this config's parameter shapes (with
     ``per_node``, those of the parameters this node's checkpoint holds)."""
@@ -312,12 +328,15 @@ def _check_resumable(config: ProtocolTrainer.Config) -> None:
         return
     import torch
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torchtitan.tools import filesystem
 
     from protocol_models.model.model import build_model_config
 
     with torch.device("meta"):
         model = build_model_config(config.model, config.protocol, config.layout_stages).build()
-    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    reader = FsspecReader if filesystem.is_remote(checkpoint) else FileSystemReader
+    saved = reader(checkpoint).read_metadata().state_dict_metadata
     for name, tensor in model.state_dict().items():
         if config.checkpoint.per_node and name not in saved:
             continue  # a node's checkpoint holds the stages on this node only
@@ -336,13 +355,29 @@ def _check_resumable(config: ProtocolTrainer.Config) -> None:
         )
 
 
-def _checkpoint_to_load(config: ProtocolTrainer.Config) -> Path | None:
+def _checkpoint_to_load(config: ProtocolTrainer.Config) -> str | None:
     """What TorchTitan's checkpointer would load at start: the newest complete ``step-N`` in
     the run's checkpoint folder (with ``per_node``, this node's), else
     ``checkpoint.initial_load_path``."""
     ckpt = config.checkpoint
     if not ckpt.enable or ckpt.create_seed_checkpoint:
         return None
+    from torchtitan.tools import filesystem
+
+    from protocol_models.training.checkpoint_store import checkpoint_folder
+    from protocol_models.training.checkpointing import complete_step_numbers, node_folder_name
+
+    folder = checkpoint_folder(config)
+    if ckpt.per_node:  # this node's own folder (scripts/train.sh: NODE_RANK of NNODES)
+        node = int(os.environ.get("NODE_RANK", "0"))
+        nodes = int(os.environ.get("NNODES", "1"))
+        folder = filesystem.join(folder, node_folder_name(node, nodes))
+    steps = complete_step_numbers(folder)
+    if steps:
+        return filesystem.join(folder, f"step-{steps[-1]}")
+    if ckpt.initial_load_path and (Path(ckpt.initial_load_path) / ".metadata").is_file():
+        return ckpt.initial_load_path
+    return None
     from protocol_models.training.checkpointing import complete_step_numbers, node_folder_name
 
     folder = Path(config.dump_folder) / ckpt.folder

@@ -163,6 +163,9 @@ DEPENDENCIES: list[Dependency] = [
     Dependency("torch.distributed.checkpoint.default_planner:DefaultLoadPlanner."
                "create_local_plan", "training/checkpointing.py NodeLoadPlanner (overrides)",
                ("self",)),
+    Dependency("torch.distributed.checkpoint._fsspec_filesystem:FsspecReader.__init__",
+               "config/preflight.py (a checkpoint in an object store: its parameter shapes)",
+               ("self", "path", "kwargs")),
     *(Dependency(f"torch.distributed.distributed_c10d:{name}",
                  "tools/nccl_rules.py (test mode only)", params)
       for name, params in (("_get_default_store", ()), ("_get_default_group", ()),

@@ -2,7 +2,7 @@
 
 A checkpoint holds the trained tensors, not what they are: whether ``wo`` ``[k, in]`` is a
 factor ``A`` of ``W = U A``, which seed regenerates ``F``, which tokenizer the ids come from.
-Every node's first rank writes this record into ``<dump_folder>/<checkpoint.folder>/run.json`` at
+Every node's first rank writes this record into the checkpoint folder's ``run.json`` at
 start-up (a resumed run rewrites it); ``python -m protocol_models.export`` reads it. ``layout``
 names the plugin's checkpoint layout (parameter names and shapes for a given record): it is bumped
 whenever that changes, and a checkpoint of another layout is refused instead of being misread.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from protocol_models.data import corpus
 from protocol_models.model.model import ModelArch, build_model_config
 from protocol_models.tools.errors import UserError
+from protocol_models.training import checkpoint_store
 from protocol_models.training.protocol import ProtocolSettings
 
 LAYOUT_VERSION = 1
@@ -108,17 +108,13 @@ def _absolute(value: str | list[str]) -> str | list[str]:
 
 def write(config) -> None:
     """Every node's first rank writes ``run.json`` into the run's checkpoint folder (with
-    checkpointing on), so a node with only its own disk has it too.
-
-    Written to a temporary name of this host and process and renamed, so a reader never sees
-    half a record, also where the nodes share the folder."""
+    checkpointing on), so a node with only its own disk has it too; whole
+    (``checkpoint_store.write_text``), so a reader never sees half a record, also where the
+    nodes share the folder."""
     if not config.checkpoint.enable or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
-    folder = Path(config.dump_folder) / config.checkpoint.folder
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{RECORD_NAME}.{socket.gethostname()}.{os.getpid()}.tmp"
-    tmp.write_text(RunRecord.from_config(config).to_json())
-    os.replace(tmp, folder / RECORD_NAME)
+    record = RunRecord.from_config(config).to_json()
+    checkpoint_store.write_text(checkpoint_store.checkpoint_folder(config), RECORD_NAME, record)
 
 
 def read(folder: Path) -> RunRecord:
