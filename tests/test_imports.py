@@ -122,7 +122,7 @@ def test_the_model_does_not_import_the_wire():
 def test_no_module_outside_a_subpackage_but_the_commands():
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     commands = {"assets", "emulate", "evaluate", "export", "generate", "gpu_check", "launch",
-                "pilot_basis", "plan", "prepare", "report", "shakespeare", "train"}  # fmt: skip
+                "overlay", "pilot_basis", "plan", "prepare", "report", "shakespeare", "train"}  # fmt: skip
     assert top == commands
     assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
         LAYERS

@@ -268,6 +268,98 @@ def test_checkpoints_in_an_object_store_survive_a_lost_node(tmp_path, object_sto
     assert "AWS_ENDPOINT_URL" in line and not (tmp_path / "missing").exists()
 
 
+def _netns_ready() -> str | None:
+    """Why the overlay test cannot run here (None: it can): it needs root, ``ip netns``, a TUN
+    device and WireGuard's tools (``.ci/run`` installs them and sets ``PM_REQUIRE_NETNS=1``)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    missing = [t for t in ("ip", "wg", "wg-quick", "wireguard-go") if shutil.which(t) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (apt install iproute2 wireguard-tools wireguard-go)"
+    return None if os.path.exists("/dev/net/tun") else "needs /dev/net/tun"
+
+
+def test_two_nodes_train_over_a_wireguard_overlay_and_refuse_public_addresses(tmp_path):
+    """The documented network step for real: ``protocol_models.overlay`` writes the nodes'
+    WireGuard configs, ``wg-quick up`` joins two network namespaces over a shaped link (the
+    project's TUN relay, 200 Mbit/s + 2 ms), and ``scripts/train.sh`` on overlay addresses
+    trains to the losses of the same two nodes on loopback, its traffic through the tunnel. A
+    rendezvous on a public address is refused in one line before any worker, unless
+    ``PM_ALLOW_PUBLIC_NETWORK=1``."""
+    from recipes.common.tun_relay import ADDRESSES, Shape, in_namespace, link_namespaces
+
+    public = {**os.environ, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "1.1.1.1"}
+    refused = subprocess.run(["bash", "scripts/train.sh", str(TINY), "--dump_folder",
+                              str(tmp_path / "public")], cwd=REPO, capture_output=True,
+                             text=True, timeout=120, env=public)  # fmt: skip
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("error: MASTER_ADDR = 1.1.1.1 is a public address (1.1.1.1) and "
+                           "hosts the rendezvous store"), line  # fmt: skip
+    assert "PM_ALLOW_PUBLIC_NETWORK=1" in line and not (tmp_path / "public").exists()
+    allowed = subprocess.run([sys.executable, "-m", "protocol_models.config", "--toml", str(TINY)],
+                             cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env={**public, "PM_ALLOW_PUBLIC_NETWORK": "1"})  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+
+    problem = _netns_ready()
+    if problem:
+        assert os.environ.get("PM_REQUIRE_NETNS") != "1", problem
+        pytest.skip(problem)
+    args = ["--training.steps", "4"]
+    loopback = _two_nodes(tmp_path / "loopback", [*args, "--dump_folder",
+                          str(tmp_path / "loopback" / "run")], {0: "west", 1: "east"})  # fmt: skip
+    assert [loopback[r][0] for r in (0, 1)] == [0, 0], loopback[1][1][-3000:]
+    expected = [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "loopback/run/metrics.jsonl")]
+
+    nodes_file = tmp_path / "nodes.txt"
+    nodes_file.write_text(f"# node 0 hosts the store\n{ADDRESSES[0]}\n{ADDRESSES[1]}:51820\n")
+    out = tmp_path / "overlay"
+    made = subprocess.run([sys.executable, "-m", "protocol_models.overlay", str(nodes_file),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert "MASTER_ADDR=10.77.0.1 GLOO_SOCKET_IFNAME=wgpm NCCL_SOCKET_IFNAME=wgpm" in made.stdout
+    # One machine's namespaces share /var/run/wireguard, where a user-space interface keeps its
+    # control socket, so node 1's interface gets another name here (on real nodes both are wgpm).
+    configs = [out / "node-0" / "wgpm.conf", out / "node-1" / "wgpm1.conf"]
+    (out / "node-1" / "wgpm.conf").rename(configs[1])
+    assert oct(configs[0].stat().st_mode & 0o777) == "0o600"
+    with link_namespaces(Shape(200.0, 2.0)):
+        for node, config in enumerate(configs):
+            up = subprocess.run(in_namespace(node, ["wg-quick", "up", str(config)]),
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert up.returncode == 0, up.stderr
+        try:
+            dump = tmp_path / "overlay_run"
+            procs = []
+            for node, config in enumerate(configs):
+                env = {"NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "10.77.0.1",
+                       "MASTER_PORT": "29500", "NGPU": "1", "REGION": ["west", "east"][node],
+                       "GLOO_SOCKET_IFNAME": config.stem}  # fmt: skip
+                cmd = in_namespace(node, ["env", *(f"{k}={v}" for k, v in env.items()), "bash",
+                                          "scripts/train.sh", str(TINY), *args, "--dump_folder",
+                                          str(dump)])  # fmt: skip
+                log = open(tmp_path / f"overlay_node{node}.log", "w")  # noqa: SIM115
+                procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+            codes = [p.wait(timeout=300) for p in procs]
+            logs = [(tmp_path / f"overlay_node{n}.log").read_text() for n in (0, 1)]
+            assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+            transfer = subprocess.run(in_namespace(0, ["wg", "show", "wgpm", "transfer"]),
+                                      capture_output=True, text=True, check=True).stdout.split()
+        finally:
+            for node, config in enumerate(configs):
+                subprocess.run(in_namespace(node, ["wg-quick", "down", str(config)]),
+                               capture_output=True, timeout=60)  # fmt: skip
+    records = read_jsonl(dump / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in records] == expected
+    # node 0's tunnel carried at least its stage's boundary messages, each way (plus the
+    # stores' and the collectives' traffic, and WireGuard's own overhead)
+    received, sent = int(transfer[1]), int(transfer[2])
+    assert sent >= sum(r["wire/fwd_bytes"] for r in records) > 0, transfer
+    assert received >= sum(r["wire/bwd_bytes"] for r in records) > 0, transfer
+
+
 def test_placement_check_and_summary():
     """The pure part of the start-up check: 2 stages of 4 ranks on 4 nodes of 2 GPUs."""
 

@@ -45,6 +45,11 @@ def validate_environment(config: ProtocolTrainer.Config, *, worker: bool = False
     if not (pending and data.is_bundled_path(config.hf_assets_path)):
         _check_tokenizer(config)
     _check_writable(config.dump_folder)
+    if not worker:
+        from protocol_models.tools.interfaces import public_address_problem
+
+        problem = public_address_problem()
+        require(problem is None, problem or "")
     if config.model.attention == "flex":
         check_flex_toolchain()
         check_flex_shared_memory(config)

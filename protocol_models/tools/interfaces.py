@@ -8,6 +8,10 @@ and gloo bind the interfaces ``NCCL_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` nam
 SLURM scripts' default ``^lo,docker`` (every interface but those) NCCL may announce the private
 address, and peers in other regions then never connect: the first collective hangs until the
 timeout. ``interface_warning`` says so in one line, with the setting that picks the VPN.
+
+``public_address_problem`` refuses a job of several nodes on public addresses: its sockets
+carry no authentication and no encryption (``cluster.overlay`` joins the nodes in a WireGuard
+overlay instead).
 """
 
 from __future__ import annotations
@@ -73,3 +77,62 @@ def interface_warning(
         f"address other regions cannot reach, instead of {path} ({usable[path].ip}: {why}); "
         f"set NCCL_SOCKET_IFNAME={path} GLOO_SOCKET_IFNAME={path}"
     )
+
+
+ALLOW_PUBLIC = "PM_ALLOW_PUBLIC_NETWORK"
+"""Set to 1 to run a job of several nodes on public addresses anyway."""
+
+
+def route_source(destination: str) -> str | None:
+    """The local address the kernel would send from toward ``destination`` (no packet sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((destination, 9))
+        except OSError:
+            return None
+        return s.getsockname()[0]
+
+
+def _resolve(host: str) -> str | None:
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except (socket.gaierror, IndexError):
+        return None
+
+
+def public_address_problem(env: Mapping[str, str] = os.environ) -> str | None:
+    """One line when a job of several nodes would run on a public address, else None: the
+    job's sockets are unauthenticated and unencrypted, so ``MASTER_ADDR``, ``LOCAL_ADDR`` and
+    the address this node's sockets use (the interface in ``GLOO_SOCKET_IFNAME``/
+    ``NCCL_SOCKET_IFNAME``, else the kernel's route toward ``MASTER_ADDR``) must not be public
+    unless ``PM_ALLOW_PUBLIC_NETWORK=1`` says the risk is accepted."""
+    if int(env.get("NNODES", "1") or 1) < 2 or env.get(ALLOW_PUBLIC) == "1":
+        return None
+    master = env.get("MASTER_ADDR", "")
+    master_ip = _resolve(master) if master else None
+    found = []
+    if master_ip:
+        found.append((f"MASTER_ADDR = {master}", master_ip, "hosts the rendezvous store"))
+    if env.get("LOCAL_ADDR") and (local := _resolve(env["LOCAL_ADDR"])):
+        found.append((f"LOCAL_ADDR = {env['LOCAL_ADDR']}", local, "announces the workers' store"))
+    named = [(key, env[key]) for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+             if env.get(key) and not env[key].startswith("^")]  # fmt: skip (^: an exclusion)
+    interfaces = ipv4_interfaces() if named else {}
+    for key, names in named:
+        for name in names.lstrip("=").split(","):
+            address = str(interfaces[name].ip) if name in interfaces else None
+            if address:
+                found.append((f"{key} = {names} ({name}: {address})", address, "carries the "
+                              "pipeline traffic"))  # fmt: skip
+    if not named and master_ip and (source := route_source(master_ip)):
+        found.append((f"this node's route to MASTER_ADDR (from {source})", source,
+                      "carries the pipeline traffic"))  # fmt: skip
+    for what, address, role in found:
+        if ipaddress.ip_address(address).is_global:
+            return (f"{what} is a public address ({address}) and {role}: the job's sockets "
+                    "(the c10d store, gloo, NCCL, pickled objects) are unauthenticated and "
+                    "unencrypted, so anyone who reaches them can join or feed the job; join the "
+                    "nodes in a private overlay first (python -m protocol_models.overlay; "
+                    "docs/multinode.md#0-one-private-network) and use its addresses, or set "
+                    f"{ALLOW_PUBLIC}=1 to run on public addresses anyway")  # fmt: skip
+    return None
