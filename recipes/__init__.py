@@ -1,2 +1,3 @@
-"""The studies and benchmarks built on the plugin; each is a script (``python recipes/NAME.py``),
-and ``recipes.common`` holds their shared helpers."""
+"""The studies and benchmarks built on the plugin, run from a checkout's root
+(``python -m recipes.NAME``; not installed with the package), and ``recipes.common``, their
+shared helpers."""

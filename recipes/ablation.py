@@ -1,7 +1,7 @@
 """Subspace ablation: optimizer x subspace updates, each against a fair dense twin.
 
-    python recipes/ablation.py                # ~13 runs of the reference workload (see README)
-    python recipes/ablation.py --render-only  # table and plot from results/subspace_ablation
+    python -m recipes.ablation                # ~13 runs of the reference workload (see README)
+    python -m recipes.ablation --render-only  # table and plot from results/subspace_ablation
 
 Every run is the shared reference workload (``configs/reference_cpu.toml``: Shakespeare, d=256,
 8 layers in a 4-stage layout, k=8 (32x), 300 steps, validation every 50 steps on 32,768 held-out

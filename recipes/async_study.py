@@ -1,8 +1,8 @@
 """What the asynchronous pipeline (``Async1F1B``: each step applies the previous step's gradient)
 costs in quality on the reference workload.
 
-    python recipes/async_study.py                 # trains what results/async/results.json lacks
-    python recipes/async_study.py --render-only   # table and plot from results/async/results.json
+    python -m recipes.async_study                 # trains what results/async/results.json lacks
+    python -m recipes.async_study --render-only   # table and plot from results/async/results.json
 
 The reference workload (``configs/reference_cpu.toml``: Shakespeare, d = 256, 8 layers in a
 4-stage layout, subspace k = 8, 300 steps, validation every 50 steps on 32,768 held-out tokens),

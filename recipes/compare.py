@@ -1,9 +1,9 @@
 """Codec comparison: every boundary codec at matched compression ratios.
 
-    python recipes/compare.py                 # full study: 22 runs (the first 18: 1 h 46 min)
-    python recipes/compare.py --quick         # tiny model, few steps: checks the harness
-    python recipes/compare.py --render-only   # table and plots from an existing results.json
-    python recipes/compare.py --cached-only   # report the finished runs only (trains nothing)
+    python -m recipes.compare                 # full study: 22 runs (the first 18: 1 h 46 min)
+    python -m recipes.compare --quick         # tiny model, few steps: checks the harness
+    python -m recipes.compare --render-only   # table and plots from an existing results.json
+    python -m recipes.compare --cached-only   # report the finished runs only (trains nothing)
 
 Every run trains the reference workload (``configs/reference_cpu.toml``: Shakespeare, d=256,
 8 layers laid out as 4 pipeline stages, 300 steps, validation every 50 steps) in one process with

@@ -1,7 +1,7 @@
 """Tokenization cost: how long a first start takes per GB of text, and what a stream costs a rank.
 
-    python recipes/data_throughput.py            # a 256 MB corpus (~5 min on a 2-core CPU)
-    python recipes/data_throughput.py --quick    # 16 MB, to exercise the harness
+    python -m recipes.data_throughput            # a 256 MB corpus (~5 min on a 2-core CPU)
+    python -m recipes.data_throughput --quick    # 16 MB, to exercise the harness
 
 The corpus is the bundled Shakespeare training text repeated (each copy's documents prefixed with
 the copy number, so every document is distinct) into jsonl files of 16 MB; the tokenizer is the
@@ -155,7 +155,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results = {
-        "command": "python recipes/data_throughput.py" + (" --quick" if args.quick else ""),
+        "command": "python -m recipes.data_throughput" + (" --quick" if args.quick else ""),
         "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
         "corpus_mb": text_bytes / 2**20,
         "text_bytes": text_bytes,

@@ -1,9 +1,9 @@
 """Faults on the real shaped link: stalls, partitions, loss, a dead node, a kill during a
 checkpoint save -- what each costs, and whether the run continues bit for bit.
 
-    sudo python recipes/faults.py              # every scenario results.json lacks
-    sudo python recipes/faults.py --fresh      # all of them again
-    python recipes/faults.py --render-only     # table and plot from results.json
+    sudo python -m recipes.faults              # every scenario results.json lacks
+    sudo python -m recipes.faults --fresh      # all of them again
+    python -m recipes.faults --render-only     # table and plot from results.json
 
 Two nodes, one namespace each, joined by ``recipes.common.tun_relay`` at 80 Mbit/s + 50 ms one
 way (the TCP settings the config check recommends applied in each), run ``configs/debug_cpu.toml``
@@ -291,7 +291,7 @@ def render(results: dict) -> None:
     lines = [
         f"# Faults on the real link ({SHAPE.mbps:g} Mbit/s + {SHAPE.delay_ms:g} ms, {NODES} nodes)",
         "",
-        f"`sudo python recipes/faults.py` at commit {results.get('commit', '?')}{dirty}: "
+        f"`sudo python -m recipes.faults` at commit {results.get('commit', '?')}{dirty}: "
         f"configs/debug_cpu.toml, {STEPS} steps, per-node checkpoints every {INTERVAL} steps, "
         f"`--max-restarts {RESTARTS}`, default stall bound (5 x median step + 60 s).",
         "",
@@ -357,7 +357,7 @@ def plot(rows: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python recipes/faults.py")
+    parser = argparse.ArgumentParser(prog="python -m recipes.faults")
     parser.add_argument("--fresh", action="store_true", help="run every scenario again")
     parser.add_argument("--render-only", action="store_true", help="no runs")
     parser.add_argument("--only", nargs="*", choices=list(SCENARIOS), help="these scenarios")

@@ -1,10 +1,10 @@
 """The compression frontier: validation-loss gap to the dense twin against bytes on the wire.
 
-    python recipes/frontier.py                 # the study, through the shared run cache
-    python recipes/frontier.py --quick         # tiny model, few steps: checks the harness
-    python recipes/frontier.py --render-only   # table and plot from an existing results.json
-    python recipes/frontier.py --cached-only   # the finished runs only (trains nothing)
-    python recipes/frontier.py --only "subspace k=16 4-bit" ... [--one-seed]   # train these only
+    python -m recipes.frontier                 # the study, through the shared run cache
+    python -m recipes.frontier --quick         # tiny model, few steps: checks the harness
+    python -m recipes.frontier --render-only   # table and plot from an existing results.json
+    python -m recipes.frontier --cached-only   # the finished runs only (trains nothing)
+    python -m recipes.frontier --only "subspace k=16 4-bit" ... [--one-seed]   # train these only
 
 Arms, each trained on the reference workload (``configs/reference_cpu.toml``, 300 steps, Muon on
 every arm, in one process with the codecs in-graph at the 4-stage layout's 3 boundaries; runs

@@ -1,9 +1,9 @@
 """Closing the quality gap at the same bytes: width over precision, constrain only what crosses,
 the token table, and whether the gap levels off.
 
-    python recipes/quality_gap.py                  # trains what results/quality_gap lacks
-    python recipes/quality_gap.py --render-only    # table and plot from its results.json
-    python recipes/quality_gap.py --only "projected k=8 4x2 1200 steps" ...   # only these arms
+    python -m recipes.quality_gap                  # trains what results/quality_gap lacks
+    python -m recipes.quality_gap --render-only    # table and plot from its results.json
+    python -m recipes.quality_gap --only "projected k=8 4x2 1200 steps" ...   # only these arms
 
 The reference workload (``configs/reference_cpu.toml``: d = 256, 8 layers, Shakespeare) under
 Muon on the same matrices in every arm, each run one process building the model of its layout
@@ -319,7 +319,7 @@ def report() -> None:
 
 
 def main() -> None:
-    study_main("python recipes/quality_gap.py", [a.name for a in ARMS], run_study, report)
+    study_main("python -m recipes.quality_gap", [a.name for a in ARMS], run_study, report)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """The transport benchmark: the same pipelined run with the link off, over a real shaped link,
 and under the link simulator, on 2 and 3 nodes.
 
-    python recipes/real_link.py            # as root; full run: ~60 min on a 2-core CPU
-    python recipes/real_link.py --quick    # exercises the whole harness in a few minutes
-    python recipes/real_link.py --settings 80x50 --nodes 2 3   # one link setting, both sizes
-    python recipes/real_link.py --settings 80x50 --arms subspace-async   # one arm
-    python recipes/real_link.py --sim-only # re-measure the simulator, keep the real runs
-    python recipes/real_link.py --probe-only [--stock-buffers]   # the 2-node probes again
+    python -m recipes.real_link            # as root; full run: ~60 min on a 2-core CPU
+    python -m recipes.real_link --quick    # exercises the whole harness in a few minutes
+    python -m recipes.real_link --settings 80x50 --nodes 2 3   # one link setting, both sizes
+    python -m recipes.real_link --settings 80x50 --arms subspace-async   # one arm
+    python -m recipes.real_link --sim-only # re-measure the simulator, keep the real runs
+    python -m recipes.real_link --probe-only [--stock-buffers]   # the 2-node probes again
         # (--stock-buffers: at a stock host's 212,992 B socket buffer maxima, plus one dense
         # real run per setting)
 

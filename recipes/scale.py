@@ -1,9 +1,9 @@
 """Does the gap to the fair dense twin close with scale? Width and tokens, rank collapse, and a
 data-driven subspace.
 
-    python recipes/scale.py                 # trains what results/scale/results.json lacks
-    python recipes/scale.py --render-only   # table and plots from results/scale/results.json
-    python recipes/scale.py --only "d=512 dense 300 steps" ...   # only these arms' runs
+    python -m recipes.scale                 # trains what results/scale/results.json lacks
+    python -m recipes.scale --render-only   # table and plots from results/scale/results.json
+    python -m recipes.scale --only "d=512 dense 300 steps" ...   # only these arms' runs
 
 The reference workload (``configs/reference_cpu.toml``: Shakespeare, 8 layers in a 4-stage
 layout, validation on 32,768 held-out tokens), every arm with Muon on the same matrices as its
@@ -442,7 +442,7 @@ def report() -> None:
 
 def main() -> None:
     torch.set_num_threads(1)  # the recipe's own computing shares the machine with its runs
-    study_main("python recipes/scale.py", [a.name for a in ARMS], run_study, report)
+    study_main("python -m recipes.scale", [a.name for a in ARMS], run_study, report)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Slow-link benchmark: tokens/s vs bandwidth, time-to-target T, and microbatching advice.
 
-    python recipes/wan_benchmark.py            # full run (~45-60 min on a 2-core CPU)
-    python recipes/wan_benchmark.py --quick    # exercises the whole harness in a few minutes
+    python -m recipes.wan_benchmark            # full run (~45-60 min on a 2-core CPU)
+    python -m recipes.wan_benchmark --quick    # exercises the whole harness in a few minutes
 
 Every figure is measured from real pipelined runs (one process per stage, gloo) with the link
 simulator of ``protocol_models.wire.link`` at the stages' send/recv hooks:

@@ -18,7 +18,7 @@ from recipes.compare import only_meta
 def test_compare_quick_writes_well_formed_results(tmp_path):
     out = tmp_path / "compare"
     result = subprocess.run(
-        [sys.executable, "recipes/compare.py", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "recipes.compare", "--quick", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

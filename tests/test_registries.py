@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TINY
 
-from protocol_models.cluster import plan
+from protocol_models.cluster import plan, planner
 from protocol_models.config.run_config import load_config
 from protocol_models.model.boundary import BOUNDARIES, BoundaryMethod
 from protocol_models.model.model import ModelArch, build_model_config
@@ -130,7 +130,7 @@ def test_a_registered_boundary_method_is_a_mode_everywhere(monkeypatch):
         tiny("--protocol.mode", "nope")
     assert plan.message_bytes(config) == (64 * 32 * 4, 64 * 32 * 4)  # [1, 64, 32] fp32
     assert [plan.boundary_weights(config, s) for s in (0, 1)] == [0, 64 * 3]
-    assert plan._label(config) == "toy_half w=4"
+    assert planner.mode_label(config) == "toy_half w=4"
     b = arms.wire_bytes(TINY, mode)
     assert b["dense"] / (b["fwd"] + b["bwd"]) == 2
 

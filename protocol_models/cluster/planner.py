@@ -63,7 +63,7 @@ from protocol_models.tools.errors import UserError
 from protocol_models.wire import codec_for
 
 
-def _label(config) -> str:
+def mode_label(config) -> str:
     """The mode's label, with its bits where its codec quantizes (not the dense twin's)."""
     protocol, bits = config.protocol, config.codec.bits
     quantized = bits and getattr(codec_for(config), "bits", None) == bits
@@ -126,7 +126,8 @@ def render(
     ac = config.activation_checkpoint
     ac_name = {FullAC.Config: "full", SelectiveAC.Config: "selective"}.get(type(ac), "none")
     lines = [
-        f"model: d={arch.dim}, {arch.n_layers} layers, vocab {arch.vocab_size}, {_label(config)}",
+        f"model: d={arch.dim}, {arch.n_layers} layers, vocab {arch.vocab_size}, "
+        f"{mode_label(config)}",
         f"total parameters: {sum(p.params for p in plans):,}",
         f"layout: {config.layout_stages} pipeline stages x {dp} data-parallel = {world} GPUs "
         f"({hw.gpus_per_node} per node, {hw.usable_memory_gib:g} GiB usable and "
@@ -374,14 +375,14 @@ def main(argv: list[str] | None = None) -> int:
             sync["async"] = predict_async_step(c, p, sync, links, known.mfu)
         except UserError as e:
             sync["async"], async_refused = None, str(e)
-        predictions[_label(c)] = sync
+        predictions[mode_label(c)] = sync
     local_assumed = known.region_bandwidth_mbps is None or known.region_latency_ms is None
     fsdp = any(fsdp_seconds(config, p, local) for p in plans)
     network = describe_network(links, local, local_assumed, source, fsdp, regions is not None)
     print(render(config, plans, wire_plan(config), predictions, network, local, known.mfu))
     if async_refused:
         print(f"\nAsync1F1B is not predicted for this layout: {async_refused}")
-    mine = predictions[_label(config)]
+    mine = predictions[mode_label(config)]
     for paragraph in advise(config, plans, mine, variant, links_for, known.mfu,
                             known.propose_split):  # fmt: skip
         print(f"\n{paragraph}")
