@@ -9,7 +9,7 @@ import torch
 from conftest import PLAN_LAYOUT, TINY, config_error
 from torch.func import functional_call
 
-from protocol_models.cluster import plan
+from protocol_models.cluster import plan, planner
 from protocol_models.config.run_config import load_config
 from protocol_models.model.mapl import MaplCodec, orthonormality_error, tangent
 from protocol_models.model.model import ModelArch, build_model_config
@@ -239,4 +239,4 @@ def test_planner_counts_each_sides_copy_and_the_r_wide_message():
         assert p.params == sum(q.numel() for q in stage.parameters())
     assert plan.message_bytes(mapl) == (2 * 16 * 4 * 2, 2 * 16 * 4 * 2)
     assert plan.wire_plan(mapl)["ratio"] == 64 / 4
-    assert plan._label(mapl) == "mapl r=4" and plan.twin(mapl).protocol.mode == "dense"
+    assert planner.mode_label(mapl) == "mapl r=4" and plan.twin(mapl).protocol.mode == "dense"

@@ -11,7 +11,7 @@ import torch
 from conftest import PLAN_LAYOUT, TINY, config_error
 from torch.func import functional_call
 
-from protocol_models.cluster import plan
+from protocol_models.cluster import plan, planner
 from protocol_models.config.run_config import load_config
 from protocol_models.model.model import ModelArch, build_model_config
 from protocol_models.training.optimizers import BLOCK_MATRICES
@@ -152,4 +152,4 @@ def test_planner_counts_the_encoder_decoder_and_the_h_wide_message():
         assert kept == (in_flight * tokens * 2 * (4 - 64) if s < 2 else 0)
     assert plan.message_bytes(resbm) == (2 * 16 * 4 * 2, 2 * 16 * 4 * 2)
     assert plan.wire_plan(resbm)["ratio"] == 64 / 4
-    assert plan._label(resbm) == "resbm h=4" and plan.twin(resbm).protocol.mode == "dense"
+    assert planner.mode_label(resbm) == "resbm h=4" and plan.twin(resbm).protocol.mode == "dense"

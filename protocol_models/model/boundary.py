@@ -6,7 +6,7 @@ what crosses each boundary, and the wire carries the stage output as it is) or a
 what the rest of the plugin needs to know without building the model: how wide a boundary
 message is (the wire's size model, the planner's kept activations, the GPU check) and which
 weight matrices the method adds at each boundary (the planner's closed-form parameters and
-FLOPs). The models themselves are built by ``protocol_models.model.model.build_model_config``.
+FLOPs), and which block class builds its boundaries (``build_model_config``).
 
 * ``subspace``: the k coordinates ``c`` ``[mb, seq, k]`` of the stream in span(U) (the
   constrained writers are narrower, which the planner counts itself);
@@ -21,8 +21,8 @@ FLOPs). The models themselves are built by ``protocol_models.model.model.build_m
   the anchor mixing ``Q`` ``[m, d]`` and the anchor table ``P`` ``[V, m]`` (a lookup),
   ``m = [protocol] anchor_rank``.
 
-**Adding a boundary method** is one entry here (``register_boundary``) plus its model in
-``protocol_models.model.model``; its name becomes a ``[protocol] mode``.
+**Adding a boundary method** is one entry here (``register_boundary``) plus its block class in
+``protocol_models.model.blocks`` (the entry's ``block``); its name becomes a ``[protocol] mode``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+from protocol_models.model.blocks import MaplBlock, ProjectedBlock, ProtocolBlock, ResbmBlock
 
 
 class ProtocolSettings(Protocol):
@@ -87,6 +89,10 @@ class BoundaryMethod:
     quantizable: bool = False
     """Whether ``[codec] bits`` quantizes its messages (k coordinates around ``F``: the
     ``quant`` codec on ``c``, ``protocol_models.wire.codecs``)."""
+    block: type[ProtocolBlock] = ProtocolBlock
+    """Its blocks (``protocol_models.model.blocks``): ``block.attach`` makes the blocks on each
+    side of every boundary; the base block changes none (the stage's own encode and decode,
+    ``subspace`` mode, or the plain stream, ``dense``)."""
 
 
 BOUNDARIES: dict[str, BoundaryMethod] = {}
@@ -123,6 +129,7 @@ register_boundary(
         quantizable=True,
         exportable=False,
         receiver_lookups=lambda v, d, protocol: v * d if protocol.stage_tables else 0,
+        block=ProjectedBlock,
     ),
 )
 register_boundary("dense", BoundaryMethod(width=lambda dim, k: dim))
@@ -134,6 +141,7 @@ register_boundary(
         sender_weights=lambda dim, protocol: [(dim, protocol.k)],
         receiver_weights=lambda dim, protocol: [(protocol.k, dim)],
         exportable=False,
+        block=ResbmBlock,
     ),
 )
 
@@ -165,6 +173,7 @@ register_boundary(
         lookups=_mapl_lookups,
         sync_values=_mapl_sync,
         exportable=False,
+        block=MaplBlock,
     ),
 )
 

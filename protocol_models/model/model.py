@@ -29,7 +29,7 @@ model with a learned autoencoder across every boundary, ``h = k`` wide: the last
 boundary ends with an encoder in its MLP branch and returns ``b = enc(silu(ffn)) + x[..., :h]``
 ``[mb, seq, h]`` (the stage output, what crosses); the first block after it feeds
 ``relu(dec(b))`` ``[mb, seq, d]`` to its attention and restarts the stream from ``b``
-zero-padded to ``d`` (``ProtocolBlock.forward``).
+zero-padded to ``d`` (``blocks.ResbmBlock``).
 
 ``projected`` mode (constrain only what crosses) builds the dense model, anchored on the same
 ``F`` and ``U``: the stream starts as ``x0 = F[ids] + E[ids]`` (``E`` ``[V, d]``, the dense
@@ -71,14 +71,14 @@ from torchtitan.models.common.attention import (
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 from torchtitan.models.common.param_init import depth_scaled_std
 from torchtitan.models.llama3 import parallelize_llama
-from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.protocols.model_spec import ModelSpec
 
 from protocol_models.model import subspace
-from protocol_models.model.boundary import anchored, label
+from protocol_models.model.blocks import ProtocolBlock, trunc_normal
+from protocol_models.model.boundary import BOUNDARIES, anchored, label
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.loss import chunked_cross_entropy
-from protocol_models.model.mapl import MaplCodec
 from protocol_models.tools.errors import UserError, require
 from protocol_models.tools.ranges import AT_LEAST_1, POSITIVE, Range, Ranges
 
@@ -148,107 +148,6 @@ class ModelArch:
         )
 
 
-class ProtocolBlock(Llama3TransformerBlock):
-    """A llama3 block whose two residual writes can be confined to span(U).
-
-    ``upstream``: the block sits before the last boundary (its writers are the ones the subspace
-    constrains; the optimizers' row-wise and projection rules act on them). ``factored``: its
-    ``attention.wo`` and ``feed_forward.w2`` output ``k`` coordinates and the block adds
-    ``branch @ U.T`` ``[mb, seq, d]`` to the stream.
-
-    ResBM (``resbm`` mode, ``h = k``): with an ``encoder`` (``[h, d]``, the last block before a
-    boundary) the block returns the bottleneck ``b`` ``[mb, seq, h]``; with a ``decoder``
-    (``[d, h]``, the first block after one) it takes ``b`` as its input. A block alone on a
-    middle stage has both.
-
-    MAPL (``mapl`` mode): with ``mapl_out`` the block returns the coordinates ``c``
-    ``[mb, seq, r]`` of its output; with ``mapl_in`` it takes ``c`` and rebuilds its input
-    ``[mb, seq, d]`` (both need the token ids).
-
-    Projected boundary (``projected`` mode): with ``project_out`` the block returns
-    ``c = (x - F[ids]) @ U`` ``[mb, seq, k]``; with ``project_in`` it takes ``c`` and rebuilds
-    ``F[ids] + c @ U.T`` ``[mb, seq, d]`` (``subspace.encode``/``decode`` with the model's frozen
-    ``basis`` and ``table``, passed to every block; ``U`` detached: it never trains here), plus,
-    with a ``stage_table``, the stage's own learned row ``G[ids]`` (it never crosses: the next
-    boundary's projection sends what it needs).
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Llama3TransformerBlock.Config):
-        upstream: bool = False
-        factored: bool = False
-        encoder: Linear.Config | None = None
-        """ResBM sender: ``d -> h``, after the SiLU of the MLP branch."""
-        decoder: Linear.Config | None = None
-        """ResBM receiver: ``h -> d``, then ReLU, the attention branch's input."""
-        mapl_out: MaplCodec.Config | None = None
-        """MAPL sender: the block's output is encoded to r coordinates."""
-        mapl_in: MaplCodec.Config | None = None
-        """MAPL receiver: the block's input is rebuilt from r coordinates."""
-        project_out: bool = False
-        """Projected sender: the block's output is sent as its k coordinates around ``F``."""
-        project_in: bool = False
-        """Projected receiver: the block's input is rebuilt from k coordinates."""
-        stage_table: Embedding.Config | None = None
-        """Projected receiver with ``stage_tables``: the stage's own token table ``[V, d]``,
-        added to the rebuilt stream."""
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self.upstream = config.upstream
-        self.factored = config.factored
-        self.encoder = config.encoder.build() if config.encoder is not None else None
-        self.decoder = config.decoder.build() if config.decoder is not None else None
-        self.mapl_out = config.mapl_out.build() if config.mapl_out is not None else None
-        self.mapl_in = config.mapl_in.build() if config.mapl_in is not None else None
-        self.project_out = config.project_out
-        self.project_in = config.project_in
-        self.stage_table = config.stage_table.build() if config.stage_table is not None else None
-
-    def writers(self) -> list[nn.Parameter]:
-        """The two weights that write into the residual stream (``[out, in]``)."""
-        return [self.attention.wo.weight, self.feed_forward.w2.weight]
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        attention_masks,
-        positions: torch.Tensor | None = None,
-        basis: torch.Tensor | None = None,
-        token_ids: torch.Tensor | None = None,
-        table: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``x`` ``[mb, seq, d]`` (with a decoder: ``b`` ``[mb, seq, h]``; with ``mapl_in``:
-        ``c`` ``[mb, seq, r]``; with ``project_in``: ``c`` ``[mb, seq, k]``) -> the stream
-        ``[mb, seq, d]`` (with an encoder: ``b`` ``[mb, seq, h]``; with ``mapl_out``: ``c``
-        ``[mb, seq, r]``; with ``project_out``: ``c`` ``[mb, seq, k]``). ``token_ids``
-        ``[mb, seq]``: MAPL's and the projection's anchors; ``basis``/``table``: ``U``/``F``."""
-        if self.mapl_in is not None:
-            x = self.mapl_in.decode(x, token_ids)
-        if self.project_in:
-            x = subspace.decode(x, token_ids, basis.detach(), table)
-        if self.stage_table is not None:
-            x = x + self.stage_table(token_ids).to(x.dtype)
-        stream, branch_in = x, x
-        if self.decoder is not None:
-            branch_in = torch.relu(self.decoder(x))
-            stream = nn.functional.pad(x, (0, self.decoder.out_features - x.shape[-1]))
-        attn = self.attention(self.attention_norm(branch_in), attention_masks, positions)
-        if self.factored:
-            attn = attn @ basis.to(attn.dtype).T
-        h = stream + attn
-        ffn = self.feed_forward(self.ffn_norm(h))
-        if self.encoder is not None:
-            return self.encoder(nn.functional.silu(ffn)) + h[..., : self.encoder.out_features]
-        if self.factored:
-            ffn = ffn @ basis.to(ffn.dtype).T
-        if self.mapl_out is not None:
-            return self.mapl_out.encode(h + ffn, token_ids)
-        if self.project_out:
-            return subspace.encode(h + ffn, token_ids, basis.detach(), table)
-        return h + ffn
-
-
 class ProtocolModel(Llama3Model):
     """Llama3 with the frozen ``U``/``F`` root buffers and the subspace codec in its forward.
 
@@ -260,7 +159,7 @@ class ProtocolModel(Llama3Model):
     invariant holds).
     A non-last stage returns ``c`` ``[mb, seq, k]`` (subspace), ``x`` ``[mb, seq, d]`` (dense)
     ``b`` ``[mb, seq, h]`` (resbm), ``c`` ``[mb, seq, r]`` (mapl) or ``c`` ``[mb, seq, k]``
-    (projected; the last three: its last block's output, ``ProtocolBlock``);
+    (projected; the last three: its last block's output, ``model.blocks``);
     a non-first stage takes that tensor as its positional input and the token ids as a kwarg.
     """
 
@@ -470,10 +369,6 @@ def project_(weight: torch.Tensor, basis: torch.Tensor, kind: str) -> None:
     weight.copy_(projected.to(weight.dtype))
 
 
-def _trunc_normal(std: float) -> dict:
-    return {"weight": partial(nn.init.trunc_normal_, std=std, a=-3 * std, b=3 * std)}
-
-
 def _inner_attention(name: Attention):
     return {
         "sdpa": ScaledDotProductAttention.Config,
@@ -489,19 +384,15 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
     In subspace mode every block outside the last stage's range is constrained, and the token
     embedding is ``V x k``; the last stage's blocks are stock. With ``n_stages == 1`` nothing is
     upstream of a boundary, so nothing is constrained (use ``protocol.stages`` to build an
-    S-stage model in one process). ``resbm`` builds the dense model with an encoder ``[h, d]``
-    on the last block of every stage but the last and a decoder ``[d, h]`` on the first block
-    of every stage but the first (``h = protocol.k``). ``mapl`` builds the dense model with a
-    ``MaplCodec`` (``r = protocol.k``, ``m = protocol.anchor_rank``, seed ``protocol.seed + b``
-    at boundary ``b``) as ``mapl_out`` of those last blocks and ``mapl_in`` of those first ones.
-    ``projected`` builds the dense model with ``project_out`` on those last blocks and
-    ``project_in`` on those first ones (with ``protocol.stage_tables``, each of those also holds
-    its stage's token table). Every other mode builds the dense model.
+    S-stage model in one process). Another boundary method (``resbm``, ``mapl``,
+    ``projected``) builds the dense model whose blocks on each side of every boundary are the
+    method's (``BoundaryMethod.block.attach``: e.g. ResBM's encoder on the last block of every
+    stage but the last, its decoder on the first block of every stage but the first). Every
+    other mode (a lossy codec's) builds the dense model.
     """
-    subspace_mode = protocol.mode == "subspace" and n_stages > 1
-    bottleneck = protocol.mode == "resbm" and n_stages > 1
-    mapl = protocol.mode == "mapl" and n_stages > 1
-    projected = protocol.mode == "projected" and n_stages > 1
+    method = BOUNDARIES.get(protocol.mode) if n_stages > 1 else None
+    mode = protocol.mode if method is not None else "dense"
+    subspace_mode = mode == "subspace"
     factored = subspace_mode and protocol.parametrization == "factor"
     ranges = stage_layer_ranges(arch.n_layers, n_stages, protocol.layers_per_stage)
     last_stage = ranges[-1]
@@ -510,12 +401,12 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
     layers = []
     for layer_id in range(arch.n_layers):
         upstream = n_stages > 1 and layer_id not in last_stage
-        writer_init = _trunc_normal(depth_scaled_std(arch.init_std, layer_id))
+        writer_init = trunc_normal(depth_scaled_std(arch.init_std, layer_id))
         attention = make_gqa_config(
             dim=arch.dim,
             n_heads=arch.n_heads,
             n_kv_heads=arch.n_kv_heads,
-            wqkv_param_init=_trunc_normal(arch.init_std),
+            wqkv_param_init=trunc_normal(arch.init_std),
             wo_param_init=writer_init,
             inner_attention=_inner_attention(arch.attention),
             rope=ComplexRoPE.Config(
@@ -525,7 +416,7 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
         feed_forward = make_ffn_config(
             dim=arch.dim,
             hidden_dim=hidden,
-            w1_param_init=_trunc_normal(arch.init_std),
+            w1_param_init=trunc_normal(arch.init_std),
             w2w3_param_init=writer_init,
         )
         if factored and upstream:
@@ -542,46 +433,15 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
                 feed_forward=feed_forward,
             )
         )
-    if bottleneck:
-        for sender, receiver in zip(ranges[:-1], ranges[1:], strict=True):
-            layers[sender[-1]].encoder = Linear.Config(
-                in_features=arch.dim,
-                out_features=protocol.k,
-                param_init=_trunc_normal(depth_scaled_std(arch.init_std, sender[-1])),
-            )
-            layers[receiver[0]].decoder = Linear.Config(
-                in_features=protocol.k,
-                out_features=arch.dim,
-                param_init=_trunc_normal(arch.init_std),
-            )
-    if mapl:
-        for b, (sender, receiver) in enumerate(zip(ranges[:-1], ranges[1:], strict=True)):
-            codec = MaplCodec.Config(
-                dim=arch.dim, rank=protocol.k, vocab_size=arch.vocab_size,
-                anchor_rank=protocol.anchor_rank, boundary=b, seed=protocol.seed + b,
-                anchor_std=arch.init_std, rvq_stages=protocol.rvq_stages,
-                rvq_codebook=protocol.rvq_codebook, rvq_decay=protocol.rvq_decay,
-            )  # fmt: skip
-            layers[sender[-1]].mapl_out = codec
-            layers[receiver[0]].mapl_in = codec
-    if projected:
-        for sender, receiver in zip(ranges[:-1], ranges[1:], strict=True):
-            layers[sender[-1]].project_out = True
-            layers[receiver[0]].project_in = True
-            if protocol.stage_tables:
-                layers[receiver[0]].stage_table = Embedding.Config(
-                    num_embeddings=arch.vocab_size, embedding_dim=arch.dim,
-                    param_init={"weight": nn.init.zeros_},
-                )  # fmt: skip
+    if method is not None:
+        method.block.attach(layers, ranges, arch, protocol)
     embed_dim = protocol.k if factored else arch.dim
     return ProtocolModel.Config(
         dim=arch.dim,
         vocab_size=arch.vocab_size,
         loss_chunk_tokens=arch.loss_chunk_tokens,
         freeze_embedding=arch.freeze_embedding,
-        mode="subspace" if subspace_mode
-        else protocol.mode if bottleneck or mapl or projected
-        else "dense",
+        mode=mode,
         layers_per_stage=protocol.layers_per_stage,
         k=protocol.k,
         subspace_seed=protocol.seed,
@@ -598,7 +458,7 @@ def build_model_config(arch: ModelArch, protocol: ProtocolSettings, n_stages: in
         lm_head=Linear.Config(
             in_features=arch.dim,
             out_features=arch.vocab_size,
-            param_init=_trunc_normal(arch.dim**-0.5),
+            param_init=trunc_normal(arch.dim**-0.5),
         ),
         layers=layers,
     )
