@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -239,10 +240,21 @@ for name in sys.argv[1:]:  # protocol_models.train ends its process (os._exit): 
     print(f"@@ {name}", flush=True)
     sys.argv = [name, "--help"]
     try:
-        runpy.run_module(f"protocol_models.{name}", run_name="__main__")
+        runpy.run_module(name, run_name="__main__")
     except SystemExit as e:
         print(f"@@ exit {e.code or 0}", flush=True)
 """
+"""Runs ``python -m NAME --help`` for every module named on its command line in one interpreter;
+each answer follows a ``@@ NAME`` line."""
+
+
+def help_texts(modules: list[str]) -> dict[str, str]:
+    """``--help``'s answer of every module (``HELP_PROBE``), by module name."""
+    result = subprocess.run([sys.executable, "-c", HELP_PROBE, *modules], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "error:" not in result.stderr, result.stderr[-2000:]
+    return dict(c.split("\n", 1) for c in result.stdout.split("@@ ")[1:] if "\n" in c)
 
 
 def test_every_command_answers_help_with_its_usage():
@@ -253,13 +265,50 @@ def test_every_command_answers_help_with_its_usage():
                             text=True, timeout=60)  # fmt: skip
     assert script.returncode == 0 and "bash scripts/train.sh CONFIG.toml" in script.stdout
     names = sorted(p.stem for p in (REPO / "protocol_models").glob("*.py") if p.stem != "__init__")
-    names = [n for n in names if n != "train"] + ["config", "train"]
-    result = subprocess.run([sys.executable, "-c", HELP_PROBE, *names], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    chunks = dict(c.split("\n", 1) for c in result.stdout.split("@@ ")[1:] if "\n" in c)
+    names = [f"protocol_models.{n}" for n in [n for n in names if n != "train"] + ["config", "train"]]
+    chunks = help_texts(names)
     for name in names:
         usage = chunks.get(name, "")
-        assert f"protocol_models.{name}" in usage or "usage:" in usage, (name, usage[:300])
-    assert "error:" not in result.stderr, result.stderr[-2000:]
-    assert all(f"exit {code}" not in chunks for code in (1, 2)), result.stdout[-2000:]
+        assert name in usage or "usage:" in usage, (name, usage[:300])
+    assert all(f"exit {code}" not in chunks for code in (1, 2)), chunks
+
+
+DOCUMENTED = ["README.md", "docs/*.md", "results/README.md", "configs/*.toml", "scripts/*.sh"]
+"""Where the commands a user copies are written."""
+
+
+def documented_commands() -> list[tuple[str, str, str]]:
+    """``(file, module, the rest of the line)`` of every ``python -m protocol_models.X`` or
+    ``python -m recipes.X`` written in ``DOCUMENTED`` (up to a comment or the code span's end)."""
+    found = []
+    for pattern in DOCUMENTED:
+        for path in sorted(REPO.glob(pattern)):
+            for match in re.finditer(r"python -m ((?:protocol_models|recipes)\.[\w.]+)([^`|#\n]*)",
+                                      path.read_text()):  # fmt: skip
+                found.append((str(path.relative_to(REPO)), match[1], match[2]))
+    return found
+
+
+def test_documented_commands_exist_with_the_options_they_are_given():
+    """Every documented ``python -m`` command of the package or the recipes is a module that
+    answers ``--help``, and every ``--option`` the docs give it (not a ``--section.key``
+    config override, not ``--toml``, which every command takes) is one its usage names; every
+    ``bash scripts/...`` and ``configs/...toml`` the docs name exists."""
+    commands = documented_commands()
+    modules = sorted({m for _, m, _ in commands} - {"protocol_models.train"})
+    assert len(commands) > 50 and "recipes.quality_gap" in modules
+    helps = help_texts(modules)
+    for where, module, rest in commands:
+        if module == "protocol_models.train":
+            continue
+        usage = helps.get(module, "")
+        assert "usage:" in usage or module in usage, (where, module, usage[:300])
+        for option in re.findall(r"(?<![\w.-])--([a-z][\w-]*)(?=[\s=]|$)", rest):
+            if option not in {"toml", "help"}:
+                assert f"--{option}" in usage, (where, module, option)
+    for pattern in DOCUMENTED:
+        for path in sorted(REPO.glob(pattern)):
+            text = path.read_text()
+            for named in re.findall(r"bash (scripts/[\w/.-]+\.sh)", text) + re.findall(
+                    r"(?<![\w/])(configs/[\w.-]+\.toml)", text):  # fmt: skip
+                assert (REPO / named).is_file(), (str(path.relative_to(REPO)), named)

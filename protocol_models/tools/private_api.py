@@ -276,10 +276,17 @@ def problems(dependencies: list[Dependency] = DEPENDENCIES) -> list[str]:
     return [p for d in dependencies for p in check(d)] + import_problems()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     import torch
     import torchtitan
 
+    argparse.ArgumentParser(
+        prog="python -m protocol_models.tools.private_api",
+        description="Check every private torch/TorchTitan symbol the plugin relies on: one line "
+        "per symbol that moved; exit 1 if any.",
+    ).parse_args(argv)
     found = problems()
     versions = f"torch {torch.__version__}, torchtitan {getattr(torchtitan, '__version__', '?')}"
     for line in found:
