@@ -255,7 +255,8 @@ def render_table(results: dict) -> str:
             lines.append(f"| {arm.name} | | | not run yet | | |")
             continue
         sizes = bytes_per_token(arm)
-        losses, gap, wall = seed_cells(row, SEEDS, gaps(results, arm))
+        partial = seed_gaps(row, results["runs"].get(arm.twin.name), SEEDS, partial=True)
+        losses, gap, wall = seed_cells(row, SEEDS, partial)
         gap = "" if arm.method == "dense" and not arm.frozen_embedding else gap
         source = " (scale study)" if "source" in row else ""
         lines.append(

@@ -257,25 +257,30 @@ def study_main(prog: str, arms: list[str], run_study, report) -> None:
     report()
 
 
-def seed_gaps(row: dict | None, twin: dict | None, seeds) -> list[float] | None:
+def seed_gaps(row: dict | None, twin: dict | None, seeds, partial: bool = False):
     """Per seed, a results row's final validation loss over its dense twin row's, in percent
-    (seed s against the twin's seed s); None until both rows have every seed."""
+    (seed s against the twin's seed s); None until both rows have every seed (``partial``: a
+    None for each seed not run yet, None only without both rows)."""
     if row is None or twin is None:
         return None
     pairs = [(row["seeds"].get(str(s)), twin["seeds"].get(str(s))) for s in seeds]
-    if any(a is None or b is None for a, b in pairs):
+    if any(a is None or b is None for a, b in pairs) and not partial:
         return None
-    return [100 * (a["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
+    return [None if a is None or b is None else
+            100 * (a["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
             for a, b in pairs]  # fmt: skip
 
 
 def seed_cells(row: dict, seeds, gap: list[float] | None) -> tuple[str, str, float]:
     """A results row's table cells: its final validation losses (``a / b``, ``-`` for a seed
-    not run), its gaps (``+x / +y (mean +z)``, or ``pending``) and its runs' mean wall time."""
+    not run), its gaps (``+x / +y (mean +z)``; ``+x / -`` while a seed is missing, or
+    ``pending``) and its runs' mean wall time."""
     entries = [row["seeds"].get(str(s)) for s in seeds]
     losses = " / ".join(f"{e['final_val_loss']:.4f}" if e else "-" for e in entries)
-    gap_text = "pending" if not gap else (
-        " / ".join(f"{g:+.2f}" for g in gap) + f" (mean {statistics.fmean(gap):+.2f})")  # fmt: skip
+    known = [g for g in gap or [] if g is not None]
+    gap_text = "pending" if not known else " / ".join(
+        "-" if g is None else f"{g:+.2f}" for g in gap) + (
+        f" (mean {statistics.fmean(known):+.2f})" if len(known) == len(gap) else "")  # fmt: skip
     return losses, gap_text, statistics.fmean(e["wall_s"] for e in entries if e)
 
 
