@@ -28,10 +28,12 @@ from torchtitan.components.metrics import (
     TensorBoardLogger,
     WandBLogger,
 )
+from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_module, get_local_device
 
 from protocol_models.tools.errors import DataError
 from protocol_models.tools.ranges import AT_LEAST_1, Ranges
+from protocol_models.training.hardware import mfu_peak
 from protocol_models.wire import Wire
 from protocol_models.wire.meter import ring_rounds
 
@@ -197,8 +199,15 @@ class ProtocolMetricsProcessor(MetricsProcessor):
     ``optimizers`` and ``model_parts``: its meter is summed over the pipeline group at every log
     step, its link (``[wan]`` on) gives ``wan/wait_s`` and ``wan/wire_s`` per step."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, config_dict: dict[str, Any] | None = None, **kwargs):
+        super().__init__(*args, config_dict=config_dict, **kwargs)
+        hardware = (config_dict or {}).get("hardware", {})
+        self.gpu_peak_flops, source = mfu_peak(hardware.get("peak_tflops"),
+                                               self.device_memory_monitor.device_name)  # fmt: skip
+        """What MFU is measured against: ``[hardware] peak_tflops`` (read from the run's config,
+        which TorchTitan passes at construction), else TorchTitan's detection
+        (``hardware.mfu_peak``)."""
+        logger.info(f"MFU is measured against {self.gpu_peak_flops / 1e12:g} TFLOP/s ({source})")
         self.ids_checksum = IdsChecksum()
         """Fed every training microbatch's token ids by the trainer; checked across the
         pipeline group and logged as ``data/ids_checksum`` at every log step."""

@@ -47,7 +47,7 @@ from protocol_models.training import run_record
 from protocol_models.training.console import Progress
 from protocol_models.training.delayed import DelayedUpdates
 from protocol_models.training.grassmann import SubspaceTracker
-from protocol_models.training.hardware import HardwareSettings, mfu_peak
+from protocol_models.training.hardware import HardwareSettings
 from protocol_models.training.metrics import ProtocolMetricsProcessor
 from protocol_models.training.optimizer_hook import after_optimizers_built
 from protocol_models.training.placement import RankPlace, describe_placement, placement_problem
@@ -132,10 +132,6 @@ class ProtocolTrainer(Trainer):
         self.progress = Progress(config.training.steps)
         super().__init__(config)
         run_record.write(config)  # what export needs to read the checkpoints
-        monitor = self.metrics_processor.device_memory_monitor
-        flops, source = mfu_peak(config.hardware.peak_tflops, monitor.device_name)
-        self.metrics_processor.gpu_peak_flops = flops
-        logger.info(f"MFU is measured against {flops / 1e12:g} TFLOP/s ({source})")
         self.metrics_processor.wire = self.wire  # as TorchTitan hands it optimizers, model_parts
         self.check_stages_agree()
         self.table_digest = self.model_parts[0].table_sha256
