@@ -50,15 +50,25 @@ def _errors(output: str) -> list[str]:
     return [line for line in output.splitlines() if re.match(r"(\[rank\d\]:)?error: ", line)]
 
 
-def test_two_nodes_train_in_node_rank_order_and_log_to_offline_wandb(tmp_path):
-    """Two torchrun "nodes", one pipeline stage each, the same config, the node with NODE_RANK=1
-    started first: each node gets the global rank and stage its NODE_RANK says, they train, and
-    the wire metrics reach an offline wandb run."""
+@pytest.fixture(scope="module")
+def loopback_run(tmp_path_factory) -> tuple[dict[int, tuple[int, str]], Path]:
+    """Two torchrun "nodes" on loopback, one pipeline stage each, 4 steps of ``tests/tiny.toml``,
+    the node with NODE_RANK=1 started first, logging to an offline wandb run: each node's
+    (exit code, output) and the dump folder."""
+    tmp_path = tmp_path_factory.mktemp("loopback")
     dump = tmp_path / "run"
     args = ["--dump_folder", str(dump), "--training.steps", "4", "--metrics.enable_wandb",
             "--metrics.wandb_project", "pm-two-nodes", "--metrics.wandb_tags", '["ci", "two-nodes"]']  # fmt: skip
     nodes = _two_nodes(tmp_path, args, {0: "west", 1: "east"}, env={"WANDB_MODE": "offline"})
     assert [nodes[r][0] for r in (0, 1)] == [0, 0], nodes[0][1][-3000:] + nodes[1][1][-3000:]
+    return nodes, dump
+
+
+def test_two_nodes_train_in_node_rank_order_and_log_to_offline_wandb(loopback_run):
+    """Two torchrun "nodes", one pipeline stage each, the same config, the node with NODE_RANK=1
+    started first: each node gets the global rank and stage its NODE_RANK says, they train, and
+    the wire metrics reach an offline wandb run."""
+    nodes, dump = loopback_run
     host = socket.gethostname()
     for rank, region in ((0, "west"), (1, "east")):
         output = nodes[rank][1]
@@ -279,13 +289,16 @@ def _netns_ready() -> str | None:
     return None if os.path.exists("/dev/net/tun") else "needs /dev/net/tun"
 
 
-def test_two_nodes_train_over_a_wireguard_overlay_and_refuse_public_addresses(tmp_path):
+def test_two_nodes_train_over_a_wireguard_overlay_and_refuse_public_addresses(
+    tmp_path, loopback_run
+):
     """The documented network step for real: ``protocol_models.overlay`` writes the nodes'
     WireGuard configs, ``wg-quick up`` joins two network namespaces over a shaped link (the
     project's TUN relay, 200 Mbit/s + 2 ms), and ``scripts/train.sh`` on overlay addresses
     trains to the losses of the same two nodes on loopback, its traffic through the tunnel. A
     rendezvous on a public address is refused in one line before any worker, unless
-    ``PM_ALLOW_PUBLIC_NETWORK=1``."""
+    ``PM_ALLOW_PUBLIC_NETWORK=1``. (The loopback run logs to an offline wandb run as well, which
+    changes no loss.)"""
     from recipes.common.tun_relay import ADDRESSES, Shape, in_namespace, link_namespaces
 
     public = {**os.environ, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "1.1.1.1"}
@@ -307,10 +320,7 @@ def test_two_nodes_train_over_a_wireguard_overlay_and_refuse_public_addresses(tm
         assert os.environ.get("PM_REQUIRE_NETNS") != "1", problem
         pytest.skip(problem)
     args = ["--training.steps", "4"]
-    loopback = _two_nodes(tmp_path / "loopback", [*args, "--dump_folder",
-                          str(tmp_path / "loopback" / "run")], {0: "west", 1: "east"})  # fmt: skip
-    assert [loopback[r][0] for r in (0, 1)] == [0, 0], loopback[1][1][-3000:]
-    expected = [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "loopback/run/metrics.jsonl")]
+    expected = [(r["step"], r["loss"]) for r in read_jsonl(loopback_run[1] / "metrics.jsonl")]
 
     nodes_file = tmp_path / "nodes.txt"
     nodes_file.write_text(f"# node 0 hosts the store\n{ADDRESSES[0]}\n{ADDRESSES[1]}:51820\n")
