@@ -24,7 +24,9 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
 * the token table: the dense twin with its embedding frozen at its random initialization
   (``model.freeze_embedding``): if it loses most of its lead, the frozen table every
   downstream stage reads tokens through is what the compressed models lack; and the remedy at
-  zero bytes, ``projected`` with ``stage_tables`` (each receiving stage's own learned table);
+  zero bytes, ``projected`` with ``stage_tables`` (each receiving stage's own learned table),
+  and the dense twin given the same tables (``dense`` with ``stage_tables``: the same
+  parameters, no projection), which prices the tables' capacity;
 * the levers combined: ``projected`` at k = 30 in 8 bits with stage tables;
 * the step size: Muon's step on the writers upstream of the last boundary doubled
   (``optimizer.writer_lr_scale = 2``) in today's mode and in its dense twin (the same
@@ -89,7 +91,8 @@ class Arm:
     steps: int = REFERENCE_STEPS
     frozen_embedding: bool = False
     stage_tables: bool = False
-    """``projected`` with ``[protocol] stage_tables``: each receiving stage's own token table."""
+    """``[protocol] stage_tables``: each receiving stage's own token table (``projected``, or
+    ``dense``: the tables' fair twin)."""
     writer_lr_scale: float = 1.0
     """``[optimizer] writer_lr_scale``: Muon's step on the upstream writers (twin included)."""
     scale_name: str | None = None
@@ -100,7 +103,8 @@ class Arm:
         step = f" writer step x{self.writer_lr_scale:g}" if self.writer_lr_scale != 1 else ""
         if self.method == "dense":
             what = "dense, frozen embedding" if self.frozen_embedding else "dense"
-            return f"{what}{step} {self.steps} steps"
+            tables = " + stage tables" if self.stage_tables else ""
+            return f"{what}{tables}{step} {self.steps} steps"
         bits = f" {self.bits}-bit" if self.bits else ""
         tables = " + stage tables" if self.stage_tables else ""
         layers = 8 // self.stages
@@ -155,6 +159,7 @@ COMBINED = Arm("projected", k=30, bits=8, stage_tables=True)
 PHASES: list[list[Arm]] = [
     [dense(1200), today(1200), today(1200, 8), replace(SAME_BYTES[2], steps=1200),
      replace(COMBINED, steps=1200)],
+    [Arm("dense", steps=1200, stage_tables=True)],
     [dense(300), today(300), today(300, 8), *SAME_BYTES, COMBINED],
     [Arm("subspace", stages=2), Arm("projected", stages=2),
      Arm("projected", stages=2, stage_tables=True)],
@@ -164,8 +169,9 @@ PHASES: list[list[Arm]] = [
     [dense(2400), replace(SAME_BYTES[2], steps=2400)],
 ]  # fmt: skip
 """The order the study trains in: the best configurations at 1,200 steps (the acceptance
-budget), the 300-step points of every same-bytes arm (does the gap widen?), the 2-stage layout,
-the single levers and the token-table diagnostic at 1,200 steps, the step-size arm, the
+budget), the dense twin given the same stage tables (what the tables' capacity is worth without
+the projection), the 300-step points of every same-bytes arm (does the gap widen?), the 2-stage
+layout, the single levers and the token-table diagnostic at 1,200 steps, the step-size arm, the
 2,400-step pair. Within a phase every arm's first seed trains before any second one; the next
 phase's runs start as slots free up."""
 ARMS = [a for phase in PHASES for a in phase]
@@ -257,7 +263,8 @@ def render_table(results: dict) -> str:
         sizes = bytes_per_token(arm)
         partial = seed_gaps(row, results["runs"].get(arm.twin.name), SEEDS, partial=True)
         losses, gap, wall = seed_cells(row, SEEDS, partial)
-        gap = "" if arm.method == "dense" and not arm.frozen_embedding else gap
+        plain_twin = arm.method == "dense" and not (arm.frozen_embedding or arm.stage_tables)
+        gap = "" if plain_twin else gap
         source = " (scale study)" if "source" in row else ""
         lines.append(
             f"| {arm.name}{source} | {sizes['fwd_bytes_per_token']:.0f} | {sizes['ratio']:.0f}x "

@@ -19,7 +19,7 @@ ARCH = ModelArch(dim=64, n_layers=4, n_heads=4, vocab_size=512)
 
 
 def _model(mode: str, stages: int, k: int = 4):
-    """``mode`` may be ``projected+tables`` (``projected`` with ``stage_tables``)."""
+    """``mode`` may end in ``+tables`` (``projected`` or ``dense`` with ``stage_tables``)."""
     mode, tables = mode.removesuffix("+tables"), mode.endswith("+tables")
     protocol = ProtocolSettings(mode=mode, k=k, seed=3, stage_tables=tables)
     model = build_model_config(ARCH, protocol, stages).build()
@@ -134,7 +134,7 @@ def test_constraint_layout(mode):
 @pytest.mark.parametrize(
     ("mode", "stages"),
     [("subspace", 2), ("subspace", 4), ("dense", 2), ("resbm", 2), ("resbm", 4),
-     ("projected", 2), ("projected", 4), ("projected+tables", 4)],  # fmt: skip
+     ("projected", 2), ("projected", 4), ("projected+tables", 4), ("dense+tables", 4)],  # fmt: skip
 )
 def test_chained_stages_equal_the_whole_model(mode, stages):
     """Forward through stages, passing only the wire tensor; backward with the wire gradient.
@@ -154,7 +154,7 @@ def test_chained_stages_equal_the_whole_model(mode, stages):
             wire_inputs.append(out)
         out = part(out, token_ids=ids)
         if s < stages - 1:
-            assert out.shape == (2, 16, ARCH.dim if mode == "dense" else 4)
+            assert out.shape == (2, 16, ARCH.dim if mode.startswith("dense") else 4)
     loss = out.logsumexp(-1).mean()
     # backward stage by stage, as the pipeline does: only the wire gradient crosses
     grad = torch.autograd.grad(loss, [wire_inputs[-1], *parts[-1].parameters()], allow_unused=True)
@@ -219,3 +219,21 @@ def test_bf16_wire_is_exact_up_to_one_bf16_rounding():
     assert error.max() <= torch.finfo(torch.bfloat16).eps / 2
     assert subspace.leak_tolerance(torch.float32) < subspace.leak(x, ids, basis, table)
     assert subspace.leak(x, ids, basis, table) < subspace.leak_tolerance(torch.bfloat16)
+
+
+def test_dense_twin_with_stage_tables_has_the_projected_models_parameters():
+    """The fair twin of ``projected`` with stage tables: ``dense`` with the same tables holds the
+    same parameters, name for name and shape for shape (the projection adds none), a zero
+    ``[V, d]`` table on the first block of every stage but the first; without tables the
+    dense model holds none."""
+    shapes = {}
+    for mode in ("projected+tables", "dense+tables"):
+        model = build_model_config(ARCH, ProtocolSettings(
+            mode=mode.removesuffix("+tables"), k=4, seed=3, stage_tables=True), 4).build()  # fmt: skip
+        shapes[mode] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["projected+tables"] == shapes["dense+tables"]
+    tables = {n: s for n, s in shapes["dense+tables"].items() if "stage_table" in n}
+    assert tables == {f"layers.{i}.stage_table.weight": (ARCH.vocab_size, ARCH.dim)
+                      for i in (1, 2, 3)}  # fmt: skip
+    plain = build_model_config(ARCH, ProtocolSettings(mode="dense", k=4, seed=3), 4).build()
+    assert not [n for n, _ in plain.named_parameters() if "stage_table" in n]

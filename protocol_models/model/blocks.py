@@ -188,35 +188,60 @@ class MaplBlock(ProtocolBlock):
             layers[receiver] = cls._become(layers[receiver], mapl_in=codec)
 
 
-class ProjectedBlock(ProtocolBlock):
-    """Projected boundary (``projected`` mode): with ``project_out`` the block returns
-    ``c = (x - F[ids]) @ U`` ``[mb, seq, k]``; with ``project_in`` it takes ``c`` and rebuilds
-    ``F[ids] + c @ U.T`` ``[mb, seq, d]`` (``subspace.encode``/``decode``, ``U`` detached: it
-    never trains here), plus, with a ``stage_table``, the stage's own learned row ``G[ids]`` (it
-    never crosses: the next boundary's projection sends what it needs)."""
+class TableBlock(ProtocolBlock):
+    """Stage tables (``[protocol] stage_tables``, ``dense`` and ``projected`` modes): the first
+    block of every stage but the first adds the stage's own learned token table row ``G[ids]``
+    ``[mb, seq, d]`` (zero at the start) to the stream it receives. Nothing of it crosses a
+    boundary: the stage adds it to what it received, the next stage receives the stream (dense)
+    or its projection (projected)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ProtocolBlock.Config):
+        stage_table: Embedding.Config | None = None
+        """The stage's own token table ``[V, d]``, added to the stream it receives."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.stage_table = config.stage_table.build() if config.stage_table is not None else None
+
+    def receive(self, x, token_ids, basis, table):
+        if self.stage_table is not None:
+            x = x + self.stage_table(token_ids).to(x.dtype)
+        return x, x
+
+    @classmethod
+    def attach(cls, layers, ranges, arch, protocol):
+        if not protocol.stage_tables:
+            return
+        for _, receiver in _boundaries(ranges):
+            table = Embedding.Config(num_embeddings=arch.vocab_size, embedding_dim=arch.dim,
+                                     param_init={"weight": nn.init.zeros_})  # fmt: skip
+            layers[receiver] = cls._become(layers[receiver], stage_table=table)
+
+
+class ProjectedBlock(TableBlock):
+    """Projected boundary (``projected`` mode): with ``project_out`` the block returns
+    ``c = (x - F[ids]) @ U`` ``[mb, seq, k]``; with ``project_in`` it takes ``c`` and rebuilds
+    ``F[ids] + c @ U.T`` ``[mb, seq, d]`` (``subspace.encode``/``decode``, ``U`` detached: it
+    never trains here), plus, with a ``stage_table``, the stage's own learned row ``G[ids]``
+    (``TableBlock``; the next boundary's projection sends what the stage needs of it)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TableBlock.Config):
         project_out: bool = False
         """Sender: the block's output is sent as its k coordinates around ``F``."""
         project_in: bool = False
         """Receiver: the block's input is rebuilt from k coordinates."""
-        stage_table: Embedding.Config | None = None
-        """Receiver with ``stage_tables``: the stage's own token table ``[V, d]``, added to the
-        rebuilt stream."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.project_out = config.project_out
         self.project_in = config.project_in
-        self.stage_table = config.stage_table.build() if config.stage_table is not None else None
 
     def receive(self, x, token_ids, basis, table):
         if self.project_in:
             x = subspace.decode(x, token_ids, basis.detach(), table)
-        if self.stage_table is not None:
-            x = x + self.stage_table(token_ids).to(x.dtype)
-        return x, x
+        return super().receive(x, token_ids, basis, table)
 
     def send(self, h, ffn, token_ids, basis, table):
         if not self.project_out:
@@ -227,8 +252,5 @@ class ProjectedBlock(ProtocolBlock):
     def attach(cls, layers, ranges, arch, protocol):
         for sender, receiver in _boundaries(ranges):
             layers[sender] = cls._become(layers[sender], project_out=True)
-            table = None
-            if protocol.stage_tables:
-                table = Embedding.Config(num_embeddings=arch.vocab_size, embedding_dim=arch.dim,
-                                         param_init={"weight": nn.init.zeros_})  # fmt: skip
-            layers[receiver] = cls._become(layers[receiver], project_in=True, stage_table=table)
+            layers[receiver] = cls._become(layers[receiver], project_in=True)
+        super().attach(layers, ranges, arch, protocol)

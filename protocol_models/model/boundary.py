@@ -31,7 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from protocol_models.model.blocks import MaplBlock, ProjectedBlock, ProtocolBlock, ResbmBlock
+from protocol_models.model.blocks import (
+    MaplBlock,
+    ProjectedBlock,
+    ProtocolBlock,
+    ResbmBlock,
+    TableBlock,
+)
 
 
 class ProtocolSettings(Protocol):
@@ -77,7 +83,8 @@ class BoundaryMethod:
     of a boundary."""
     receiver_lookups: Callable[[int, int, ProtocolSettings], int] = lambda v, d, protocol: 0
     """``(V, d, protocol) ->`` table parameters it adds on the receiving side of a boundary
-    only (``projected`` with ``stage_tables``: the stage's own ``[V, d]`` token table)."""
+    only (``projected`` or ``dense`` with ``stage_tables``: the stage's own ``[V, d]`` token
+    table)."""
     sync_values: Callable[[int, int, ProtocolSettings], tuple[int, int]] = _no_sync
     """``(d, V, protocol) ->`` fp32 values a boundary's two stages exchange once per step apart
     from the activation wire (whatever the batch): ``(sender to receiver, receiver to sender)``,
@@ -132,7 +139,14 @@ register_boundary(
         block=ProjectedBlock,
     ),
 )
-register_boundary("dense", BoundaryMethod(width=lambda dim, k: dim))
+register_boundary(
+    "dense",
+    BoundaryMethod(
+        width=lambda dim, k: dim,
+        receiver_lookups=lambda v, d, protocol: v * d if protocol.stage_tables else 0,
+        block=TableBlock,
+    ),
+)
 register_boundary(
     "resbm",
     BoundaryMethod(

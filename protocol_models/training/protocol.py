@@ -73,7 +73,8 @@ class ProtocolSettings:
     """``projected`` mode: every stage after the first adds its own learned token table
     ``[V, d]`` (zero at the start) to the stream it rebuilds, as the first stage adds its
     embedding: zero bytes on the wire (no stage needs another's table), ``V d`` parameters per
-    stage."""
+    stage. ``dense`` mode: the same tables, added to the stream each stage receives (the fair
+    twin of a projected run with tables: the same parameters, no projection)."""
     layers_per_stage: list[int] | None = None
     """Blocks per pipeline stage, in stage order (default: near-equal, earlier stages take the
     remainder). One entry per stage of the layout, each >= 1, summing to ``model.n_layers``.
@@ -109,8 +110,9 @@ class ProtocolSettings:
             f"(got {self.mode!r})",
         )
         require(
-            not self.stage_tables or self.mode == "projected",
-            f"protocol.stage_tables = true: needs protocol.mode = 'projected' (got {self.mode!r})",
+            not self.stage_tables or self.mode in ("projected", "dense"),
+            f"protocol.stage_tables = true: needs protocol.mode = 'projected' or 'dense' (got "
+            f"{self.mode!r})",
         )
         if self.rvq_stages:
             self._check_rvq()
