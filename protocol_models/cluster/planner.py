@@ -234,8 +234,11 @@ def advise(config, plans: list[StagePlan], prediction: dict, variant, links_for,
     configured = prediction["tokens_per_s"] / config.world_size
     current = [len(p.layers) for p in plans]
     options = [o for o in layouts(config, variant, links_for, mfu) if o.split != current]
-    if options and (options[0].per_gpu >= BETTER * configured or flag or asked_split):
-        best = options[0]
+    better = [o for o in options if o.per_gpu > configured]
+    if (flag or asked_split) and not better:
+        out.append("no other layout of these blocks gives more tokens per GPU-hour")
+    if better and (better[0].per_gpu >= BETTER * configured or flag or asked_split):
+        best = better[0]
         out.append(
             f"better layout: {best.stages} stages of {best.split} blocks on {best.gpus} GPUs: "
             f"{best.step_s:.2f} s per step, {best.per_gpu:,.0f} tokens/s per GPU (configured "
