@@ -100,10 +100,13 @@ class Layout:
                 f'--protocol.layers_per_stage "{self.split}"')  # fmt: skip
 
 
-def layouts(config, variant: Variant, links_for: LinksFor, mfu: float) -> list[Layout]:
+def layouts(
+    config, variant: Variant, links_for: LinksFor, mfu: float, region: Link
+) -> list[Layout]:
     """For every stage count from 2 to the configured one (the same data-parallel degree,
     microbatches and batch), the fastest split that fits (``plan.propose_split``) and its
-    predicted step; fastest per GPU first."""
+    predicted step on ``links_for``'s links and the network inside a region ``region``;
+    fastest per GPU first."""
     found = []
     for stages in range(2, min(config.layout_stages, config.model.n_layers) + 1):
         try:
@@ -113,7 +116,8 @@ def layouts(config, variant: Variant, links_for: LinksFor, mfu: float) -> list[L
         if proposal is None:
             continue
         candidate = variant(stage_count(config, stages, proposal[0]))
-        prediction = predict_step(candidate, plan_stages(candidate), links_for(candidate), mfu)
+        prediction = predict_step(candidate, plan_stages(candidate), links_for(candidate), mfu,
+                                  region)  # fmt: skip
         found.append(Layout(stages, proposal[0], candidate.world_size, prediction["step_s"],
                             prediction["tokens_per_s"]))  # fmt: skip
     return sorted(found, key=lambda layout: -layout.per_gpu)
@@ -133,24 +137,29 @@ def checkpoint_disk(config, plans: list[StagePlan]) -> tuple[float, float]:
     """``(bytes of one checkpoint, bytes of storage it needs)``: on the fullest node's disk
     with ``per_node``, else in the shared folder or object store (every node's shards).
 
-    A checkpoint holds each rank's shard of its stage's fp32 parameters and optimizer state
-    (``(4 + o) P / D``; ``o``: the optimizer's ``state_bytes``); a node holds its ranks'. The
-    disk keeps ``keep_latest_k`` of them and the next one while it is written (TorchTitan
-    deletes the oldest after a save), or, with ``keep_latest_k = 0``, one per interval."""
+    A checkpoint holds its stage's fp32 parameters and optimizer state once (``(4 + o) P``;
+    ``o``: the optimizer's ``state_bytes``), spread over the stage's ranks (DCP writes a
+    replicated entry once, on one of its replicas: counted here as an even share per rank,
+    ``(4 + o) P / (R D T)``); a node holds its ranks' shares. The storage keeps
+    ``keep_latest_k`` of them and the next one while it is written (TorchTitan deletes the
+    oldest after a save), or, with ``keep_latest_k = 0``, one per interval and the last step's.
+    With ``per_node`` and replicas on different nodes each node writes its own copy of the
+    replicated entries, which this undercounts."""
     state = 4 + OPTIMIZERS[config.optimizer.name].state_bytes
-    shards = max(config.parallelism.data_parallel_shard_degree, 1)
+    par = config.parallelism
+    copies = config.replicas * par.tensor_parallel_degree  # every rank's share of its stage
     per_stage = config.world_size // config.layout_stages
     gpus = config.hardware.gpus_per_node
     nodes: dict[int, float] = {}
     for plan in plans:
         for rank in range(plan.stage * per_stage, (plan.stage + 1) * per_stage):
-            nodes[rank // gpus] = nodes.get(rank // gpus, 0.0) + state * plan.params / shards
+            nodes[rank // gpus] = nodes.get(rank // gpus, 0.0) + state * plan.params / copies
     one = max(nodes.values())
     if not config.checkpoint.per_node or filesystem.is_remote(config.checkpoint.folder):
         one = sum(nodes.values())  # one shared folder or object store: every node's shards
     ckpt = config.checkpoint
-    kept = ckpt.keep_latest_k + 1 if ckpt.keep_latest_k else config.training.steps // max(
-        ckpt.interval, 1)  # fmt: skip
+    saves = -(-config.training.steps // max(ckpt.interval, 1))  # the last step saves too
+    kept = ckpt.keep_latest_k + 1 if ckpt.keep_latest_k else saves
     return one, one * kept
 
 

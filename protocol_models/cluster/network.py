@@ -66,35 +66,47 @@ def nodes_of(config) -> int:
     return math.ceil(config.world_size / config.hardware.gpus_per_node)
 
 
+def _ranks_per_stage(config) -> int:
+    """Processes of one pipeline stage; 0 when one process builds every stage (``protocol.stages``
+    over ``pipeline_parallel_degree = 1``: no boundary leaves the process)."""
+    par = config.parallelism
+    if par.pipeline_parallel_degree != config.layout_stages:
+        return 0
+    return config.world_size // config.layout_stages
+
+
 def boundary_links(
     config, slow: Link, regions: list[int] | None = None, local: Link | None = None
 ) -> list[Link]:
     """One ``Link`` per boundary of ``config``'s pipeline (module docstring): ``slow`` where
     the boundary crosses regions (every boundary when ``regions`` is None), ``local`` where it
-    does not. ``regions`` must account for every node of the run."""
+    does not. A boundary crosses when any of its rank pairs (the stage's rank ``i`` sends to
+    the next stage's rank ``i``) sits in two regions. ``regions`` must account for every node
+    of the run."""
     stages = config.layout_stages
+    per_stage = _ranks_per_stage(config)
     if regions is None:
-        return [slow] * (stages - 1)
+        return [slow if per_stage else local or slow] * (stages - 1)
     nodes = nodes_of(config)
     if sum(regions) != nodes:
         raise UserError(f"--regions {','.join(map(str, regions))}: {sum(regions)} nodes, but the "
                         f"run occupies {nodes} ({config.world_size} processes, "
                         f"{config.hardware.gpus_per_node} per node)")  # fmt: skip
     region_of_node = [r for r, count in enumerate(regions) for _ in range(count)]
-    per_stage = config.world_size // stages
     gpus = config.hardware.gpus_per_node
-    links = []
-    for b in range(stages - 1):
-        before = region_of_node[((b + 1) * per_stage - 1) // gpus]
-        after = region_of_node[(b + 1) * per_stage // gpus]
-        links.append(slow if before != after else local)
-    return links
+
+    def region(rank: int) -> int:
+        return region_of_node[rank // gpus]
+
+    return [slow if any(region(b * per_stage + i) != region((b + 1) * per_stage + i)
+                        for i in range(per_stage)) else local
+            for b in range(stages - 1)]  # fmt: skip
 
 
 def stage_spans_nodes(config, stage: int) -> bool:
     """Whether ``stage``'s data-parallel ranks sit on more than one node (their FSDP traffic
     then crosses the network inside a region)."""
-    per_stage = config.world_size // config.layout_stages
+    per_stage = _ranks_per_stage(config)
     gpus = config.hardware.gpus_per_node
     first = stage * per_stage
-    return first // gpus != (first + per_stage - 1) // gpus
+    return per_stage > 0 and first // gpus != (first + per_stage - 1) // gpus

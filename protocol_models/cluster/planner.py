@@ -16,7 +16,7 @@ the memory they leave. Exits 1 if a stage does not fit, 2 on bad input.
 The slow link between regions is ``--bandwidth-mbps``/``--latency-ms``, else the config's
 ``[transport] link_mbps``/``link_latency_ms``; ``--regions`` (nodes per region, in node order)
 says which boundaries cross it, the others run at ``--region-bandwidth-mbps``/
-``--region-latency-ms`` (assumed 10 Gbit/s and 0.5 ms unless given, and the report says so).
+``--region-latency-ms`` (assumed 100 Gbit/s and 0.5 ms unless given, and the report says so).
 """
 
 from __future__ import annotations
@@ -219,12 +219,13 @@ def render(
 
 
 def advise(config, plans: list[StagePlan], prediction: dict, variant, links_for, mfu: float,
-           asked_split: bool) -> list[str]:  # fmt: skip
+           region: Link, asked_split: bool) -> list[str]:  # fmt: skip
     """The advice after the table (module docstring), one paragraph per piece; ``prediction``:
     the configured model's step."""
     out = []
-    hours = {m: run_figures(config, predict_step(config, plans, links_for(config), m)["step_s"])
-             .hours for m in (0.75 * mfu, min(1.0, 1.25 * mfu))}  # fmt: skip
+    links = links_for(config)
+    hours = {m: run_figures(config, predict_step(config, plans, links, m, region)["step_s"]).hours
+             for m in (0.75 * mfu, min(1.0, 1.25 * mfu))}  # fmt: skip
     out.append("MFU " + f"{mfu:g} is an assumption (measure it: the training log's mfu): the "
                "run takes " + " and ".join(f"{h:,.1f} h at MFU {m:.2g}"
                                            for m, h in hours.items()))  # fmt: skip
@@ -233,7 +234,7 @@ def advise(config, plans: list[StagePlan], prediction: dict, variant, links_for,
         out.append(flag)
     configured = prediction["tokens_per_s"] / config.world_size
     current = [len(p.layers) for p in plans]
-    options = [o for o in layouts(config, variant, links_for, mfu) if o.split != current]
+    options = [o for o in layouts(config, variant, links_for, mfu, region) if o.split != current]
     better = [o for o in options if o.per_gpu > configured]
     if (flag or asked_split) and not better:
         out.append("no other layout of these blocks gives more tokens per GPU-hour")
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if async_refused:
         print(f"\nAsync1F1B is not predicted for this layout: {async_refused}")
     mine = predictions[mode_label(config)]
-    for paragraph in advise(config, plans, mine, variant, links_for, known.mfu,
+    for paragraph in advise(config, plans, mine, variant, links_for, known.mfu, local,
                             known.propose_split):  # fmt: skip
         print(f"\n{paragraph}")
     limit = config.hardware.usable_memory_gib * GIB

@@ -380,18 +380,7 @@ def _checkpoint_to_load(config: ProtocolTrainer.Config) -> str | None:
     steps = complete_step_numbers(folder)
     if steps:
         return filesystem.join(folder, f"step-{steps[-1]}")
-    if ckpt.initial_load_path and (Path(ckpt.initial_load_path) / ".metadata").is_file():
-        return ckpt.initial_load_path
-    return None
-    from protocol_models.training.checkpointing import complete_step_numbers, node_folder_name
-
-    folder = Path(config.dump_folder) / ckpt.folder
-    if ckpt.per_node:  # this node's own folder (scripts/train.sh: NODE_RANK of NNODES)
-        node = int(os.environ.get("NODE_RANK", "0"))
-        folder = folder / node_folder_name(node, int(os.environ.get("NNODES", "1")))
-    steps = complete_step_numbers(str(folder))
-    if steps:
-        return folder / f"step-{steps[-1]}"
-    if ckpt.initial_load_path and (Path(ckpt.initial_load_path) / ".metadata").is_file():
-        return Path(ckpt.initial_load_path)
+    initial = ckpt.initial_load_path
+    if initial and filesystem.isfile(filesystem.join(initial, ".metadata")):
+        return initial
     return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,9 @@ def write(config) -> None:
 
 def read(folder: Path) -> RunRecord:
     """The record in a checkpoint folder (a UserError naming ``--toml`` when there is none)."""
+    if re.match(r"[a-z][a-z0-9+.-]+:/", str(folder)):  # a URL (Path folds its "//")
+        raise UserError(f"{folder}: a checkpoint in an object store is read from a local copy "
+                        "(e.g. aws s3 sync URL ckpt/, then --checkpoint ckpt)")  # fmt: skip
     path = folder / RECORD_NAME
     if not path.is_file():
         raise UserError(
