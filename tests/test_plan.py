@@ -421,3 +421,19 @@ def test_fsdp_inside_a_region_and_the_checkpoint_disk():
     one, disk = checkpoint_disk(config, plans)
     assert one == pytest.approx(8 * state * largest / 16)
     assert disk == pytest.approx((config.checkpoint.keep_latest_k + 1) * one)
+
+
+def test_a_boundary_crosses_regions_when_any_of_its_rank_pairs_does():
+    """Stage ``s``'s rank ``i`` sends to stage ``s + 1``'s rank ``i``: with 2 stages of 2
+    data-parallel ranks on 4 one-GPU nodes in regions of 1 and 3 nodes, the pair (0, 2) crosses
+    though the stages' adjacent ranks 1 and 2 share a region; in regions of 2 and 2 it crosses
+    too, and with both stages in one region nothing does."""
+    config = load_config(None, [*TINY, "--protocol.layers_per_stage", "[2, 2]",
+                                "--parallelism.pipeline_parallel_degree", "2",
+                                "--hardware.gpus_per_node", "1"],
+                         check_environment=False)  # fmt: skip
+    slow = Link(80.0, 50.0)
+    assert config.world_size == 4
+    for regions, crosses in (([1, 3], True), ([2, 2], True), ([4], False)):
+        (link,) = boundary_links(config, slow, regions, REGION)
+        assert link.crosses == crosses, regions
