@@ -356,3 +356,27 @@ def test_a_restarted_run_logs_to_one_wandb_run(tmp_path):
     runs = sorted((dump / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 3 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
     assert all((r / f"run-{run_id}.wandb").is_file() for r in runs)
+
+
+def test_public_addresses_are_found_where_the_sockets_would_use_them(monkeypatch):
+    """The start-up refusal of public addresses (``public_address_problem``, one node's view):
+    a public ``MASTER_ADDR`` (IPv4 or IPv6) is refused unless ``PM_ALLOW_PUBLIC_NETWORK=1``;
+    ``NCCL_SOCKET_IFNAME`` picks interfaces by prefix (``=``: exactly), ``GLOO_SOCKET_IFNAME``
+    exactly, and a key that picks none leaves the route toward ``MASTER_ADDR`` to decide."""
+    from protocol_models.tools import interfaces
+
+    fake = {"lo": ipaddress.IPv4Interface("127.0.0.1/8"),
+            "ens5": ipaddress.IPv4Interface("8.8.4.4/24")}  # fmt: skip (a public NIC)
+    monkeypatch.setattr(interfaces, "ipv4_interfaces", lambda: fake)
+    two = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1"}
+    check = interfaces.public_address_problem
+    assert "MASTER_ADDR = 1.1.1.1 is a public address" in check({**two, "MASTER_ADDR": "1.1.1.1"})
+    assert "(2606:4700::1111)" in check({**two, "MASTER_ADDR": "2606:4700::1111"})
+    assert check({**two, "MASTER_ADDR": "1.1.1.1", "PM_ALLOW_PUBLIC_NETWORK": "1"}) is None
+    assert check({**two, "MASTER_ADDR": "1.1.1.1", "NNODES": "1"}) is None  # one node
+    line = check({**two, "NCCL_SOCKET_IFNAME": "en"})
+    assert "NCCL_SOCKET_IFNAME = en (ens5: 8.8.4.4) is a public address" in line
+    for quiet in ({"NCCL_SOCKET_IFNAME": "=en"}, {"GLOO_SOCKET_IFNAME": "ens"},
+                  {"NCCL_SOCKET_IFNAME": "^docker"}, {"GLOO_SOCKET_IFNAME": "lo"}):  # fmt: skip
+        assert check({**two, **quiet}) is None, quiet  # the route to 127.0.0.1 is loopback
+    assert "GLOO_SOCKET_IFNAME = ens5" in check({**two, "GLOO_SOCKET_IFNAME": "ens5"})

@@ -486,3 +486,18 @@ def test_every_multinode_launch_reads_the_nccl_settings_file(tmp_path):
     assert launch(NNODES="2", NCCL_SOCKET_IFNAME="wg0")["NCCL_SOCKET_IFNAME"] == "wg0"
     assert set(launch(NNODES="1").values()) == {"unset"}
     assert "source scripts/multinode.env" in (REPO / "scripts/slurm/train_nodes.sh").read_text()
+
+
+def test_overlay_endpoints_are_parsed_as_wireguard_writes_them():
+    """A nodes file's host, host:port, bare IPv6 address or [IPv6]:port becomes WireGuard's
+    endpoint (port 51820 where none is given); a port that is not 1-65535 is one line."""
+    from protocol_models.cluster.overlay import endpoint
+    from protocol_models.tools.errors import UserError
+
+    assert [endpoint(h) for h in ("203.0.113.7", "node.example:51000", "2001:db8::1",
+                                  "[2001:db8::2]", "[2001:db8::2]:5000")] == [
+        "203.0.113.7:51820", "node.example:51000", "[2001:db8::1]:51820",
+        "[2001:db8::2]:51820", "[2001:db8::2]:5000"]  # fmt: skip
+    for bad in ("node:abc", "node:0", "node:70000", "[2001:db8::2]x"):
+        with pytest.raises(UserError, match="is not host, host:port"):
+            endpoint(bad)

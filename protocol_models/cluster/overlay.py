@@ -62,18 +62,36 @@ def read_nodes(text: str, subnet: str = SUBNET) -> list[Node]:
         raise UserError(f"--subnet {subnet}: too small for {len(hosts)} nodes")
     nodes = []
     for i, host in enumerate(hosts):
-        endpoint = host if ":" in host else f"{host}:{PORT}"
         address = ipaddress.IPv4Interface(f"{network.network_address + i + 1}/{network.prefixlen}")
-        nodes.append(Node(endpoint, address))
+        nodes.append(Node(endpoint(host), address))
     return nodes
+
+
+def endpoint(host: str) -> str:
+    """``host``, ``host:port``, an IPv6 address or ``[v6]:port`` as WireGuard's ``host:port``
+    (``PORT`` where none is given); a port must be 1-65535."""
+    if host.startswith("["):
+        name, _, rest = host[1:].partition("]")
+        port = rest.removeprefix(":") if rest.startswith(":") else ("" if not rest else None)
+        name = f"[{name}]"
+    elif host.count(":") > 1:  # a bare IPv6 address
+        name, port = f"[{host}]", ""
+    else:
+        name, _, port = host.partition(":")
+    if port is None or (port and not (port.isdigit() and 1 <= int(port) <= 65535)) or not name:
+        raise UserError(f"nodes file: {host!r} is not host, host:port, an IPv6 address or "
+                        "[IPv6]:port (port 1-65535)")  # fmt: skip
+    return f"{name}:{port or PORT}"
 
 
 def _wg(*args: str, stdin: str | None = None) -> str:
     if shutil.which("wg") is None:
         raise UserError("wg not found: install wireguard-tools (Debian/Ubuntu: apt install "
                         "wireguard-tools wireguard-go)")  # fmt: skip
-    return subprocess.run(["wg", *args], input=stdin, capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
+    done = subprocess.run(["wg", *args], input=stdin, capture_output=True, text=True)
+    if done.returncode:
+        raise UserError(f"wg {args[0]} failed: {done.stderr.strip() or done.returncode}")
+    return done.stdout.strip()
 
 
 def node_configs(nodes: list[Node]) -> list[str]:
@@ -116,10 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         path = out / f"node-{i}" / f"{INTERFACE}.conf"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(mode=0o600)
+        path.chmod(0o600)  # also where an earlier run left the file
         path.write_text(text)
     print(f"wrote {len(configs)} configs under {out}/ (each holds its node's private key: copy "
           "node-<i>/ to node i only)")  # fmt: skip
-    print(f"on the public side, open UDP {PORT} on every node; nothing else\n")
+    ports = sorted({node.endpoint.rsplit(":", 1)[1] for node in nodes}, key=int)
+    print(f"on the public side, open UDP {', '.join(ports)} (each node its own port in "
+          "nodes.txt); nothing else\n")  # fmt: skip
     for i, node in enumerate(nodes):
         config = out / f"node-{i}" / f"{INTERFACE}.conf"
         print(f"node {i} ({node.endpoint}): sudo wg-quick up {config}")

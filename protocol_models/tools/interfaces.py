@@ -84,49 +84,64 @@ ALLOW_PUBLIC = "PM_ALLOW_PUBLIC_NETWORK"
 
 
 def route_source(destination: str) -> str | None:
-    """The local address the kernel would send from toward ``destination`` (no packet sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    """The local address the kernel would send from toward ``destination`` (IPv4 or IPv6; no
+    packet sent)."""
+    family = socket.AF_INET6 if ":" in destination else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
             s.connect((destination, 9))
         except OSError:
             return None
-        return s.getsockname()[0]
+        return s.getsockname()[0].split("%", 1)[0]
 
 
-def _resolve(host: str) -> str | None:
+def _resolve(host: str) -> list[str]:
+    """Every address ``host`` resolves to (IPv4 and IPv6; none: it does not resolve)."""
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-    except (socket.gaierror, IndexError):
-        return None
+        return sorted({info[4][0].split("%", 1)[0] for info in socket.getaddrinfo(host, None)})
+    except socket.gaierror:
+        return []
+
+
+def _chosen_interfaces(key: str, value: str, interfaces: Mapping[str, ipaddress.IPv4Interface]):
+    """The interfaces ``key = value`` picks among this node's: ``GLOO_SOCKET_IFNAME`` names
+    them exactly (comma-separated), ``NCCL_SOCKET_IFNAME`` by prefix unless it starts with
+    ``=`` (exact); a ``^`` list excludes and picks nothing here."""
+    if not value or value.startswith("^"):
+        return []
+    exact = key == "GLOO_SOCKET_IFNAME" or value.startswith("=")
+    names = [n for n in value.lstrip("=").split(",") if n]
+    return [i for i in interfaces if any(i == n if exact else i.startswith(n) for n in names)]
 
 
 def public_address_problem(env: Mapping[str, str] = os.environ) -> str | None:
     """One line when a job of several nodes would run on a public address, else None: the
     job's sockets are unauthenticated and unencrypted, so ``MASTER_ADDR``, ``LOCAL_ADDR`` and
-    the address this node's sockets use (the interface in ``GLOO_SOCKET_IFNAME``/
-    ``NCCL_SOCKET_IFNAME``, else the kernel's route toward ``MASTER_ADDR``) must not be public
-    unless ``PM_ALLOW_PUBLIC_NETWORK=1`` says the risk is accepted."""
+    the addresses this node's sockets use (the interfaces ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` pick, and, for a key that picks none, the kernel's route toward
+    ``MASTER_ADDR``) must not be public (IPv4 or IPv6) unless ``PM_ALLOW_PUBLIC_NETWORK=1``
+    says the risk is accepted."""
     if int(env.get("NNODES", "1") or 1) < 2 or env.get(ALLOW_PUBLIC) == "1":
         return None
     master = env.get("MASTER_ADDR", "")
-    master_ip = _resolve(master) if master else None
-    found = []
-    if master_ip:
-        found.append((f"MASTER_ADDR = {master}", master_ip, "hosts the rendezvous store"))
-    if env.get("LOCAL_ADDR") and (local := _resolve(env["LOCAL_ADDR"])):
-        found.append((f"LOCAL_ADDR = {env['LOCAL_ADDR']}", local, "announces the workers' store"))
-    named = [(key, env[key]) for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-             if env.get(key) and not env[key].startswith("^")]  # fmt: skip (^: an exclusion)
-    interfaces = ipv4_interfaces() if named else {}
-    for key, names in named:
-        for name in names.lstrip("=").split(","):
-            address = str(interfaces[name].ip) if name in interfaces else None
-            if address:
-                found.append((f"{key} = {names} ({name}: {address})", address, "carries the "
-                              "pipeline traffic"))  # fmt: skip
-    if not named and master_ip and (source := route_source(master_ip)):
-        found.append((f"this node's route to MASTER_ADDR (from {source})", source,
-                      "carries the pipeline traffic"))  # fmt: skip
+    master_ips = _resolve(master) if master else []
+    found = [(f"MASTER_ADDR = {master}", ip, "hosts the rendezvous store") for ip in master_ips]
+    if env.get("LOCAL_ADDR"):
+        found += [(f"LOCAL_ADDR = {env['LOCAL_ADDR']}", ip, "announces the workers' store")
+                  for ip in _resolve(env["LOCAL_ADDR"])]  # fmt: skip
+    interfaces = ipv4_interfaces()
+    routed = False
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        chosen = _chosen_interfaces(key, env.get(key, ""), interfaces)
+        found += [(f"{key} = {env[key]} ({name}: {interfaces[name].ip})", str(interfaces[name].ip),
+                   "carries the pipeline traffic") for name in chosen]  # fmt: skip
+        routed = routed or not chosen
+    if routed:
+        for ip in master_ips:
+            source = route_source(ip)
+            if source:
+                found.append((f"this node's route to MASTER_ADDR (from {source})", source,
+                              "carries the pipeline traffic"))  # fmt: skip
     for what, address, role in found:
         if ipaddress.ip_address(address).is_global:
             return (f"{what} is a public address ({address}) and {role}: the job's sockets "
