@@ -279,11 +279,12 @@ DOCUMENTED = ["README.md", "docs/*.md", "results/README.md", "configs/*.toml", "
 
 def documented_commands() -> list[tuple[str, str, str]]:
     """``(file, module, the rest of the line)`` of every ``python -m protocol_models.X`` or
-    ``python -m recipes.X`` written in ``DOCUMENTED`` (up to a comment or the code span's end)."""
+    ``python -m recipes.X`` written in ``DOCUMENTED`` (up to a comment or the code span's end;
+    a capitalised placeholder such as ``X`` is not a module)."""
     found = []
     for pattern in DOCUMENTED:
         for path in sorted(REPO.glob(pattern)):
-            for match in re.finditer(r"python -m ((?:protocol_models|recipes)\.[\w.]+)([^`|#\n]*)",
+            for match in re.finditer(r"python -m ((?:protocol_models|recipes)\.[a-z_][\w.]*)([^`|#\n]*)",
                                       path.read_text()):  # fmt: skip
                 found.append((str(path.relative_to(REPO)), match[1], match[2]))
     return found
@@ -309,6 +310,6 @@ def test_documented_commands_exist_with_the_options_they_are_given():
     for pattern in DOCUMENTED:
         for path in sorted(REPO.glob(pattern)):
             text = path.read_text()
-            for named in re.findall(r"bash (scripts/[\w/.-]+\.sh)", text) + re.findall(
-                    r"(?<![\w/])(configs/[\w.-]+\.toml)", text):  # fmt: skip
+            for named in re.findall(r"bash (scripts/\w[\w/.-]*\.sh)", text) + re.findall(
+                    r"(?<![\w/])(configs/\w[\w.-]*\.toml)", text):  # fmt: skip
                 assert (REPO / named).is_file(), (str(path.relative_to(REPO)), named)
