@@ -203,8 +203,8 @@ def save(results: dict) -> None:
 
 def bytes_per_token(arm: Arm) -> dict:
     """Bytes per token per boundary forward, and the compression ratio against the dense
-    wire (``recipes.common.arms.wire_bytes`` of the run's config)."""
-    over = arm.overrides(0)
+    wire (``recipes.common.arms.wire_bytes`` of the run's config, pipelined as its layout)."""
+    over = [*arm.overrides(0), "--parallelism.pipeline_parallel_degree", str(arm.stages)]
     b = wire_bytes(REFERENCE, over)
     tokens = 8 * 256 * (arm.stages - 1)  # the reference: batch 8 x 256 tokens per step
     return {"fwd_bytes_per_token": b["fwd"] / tokens, "ratio": b["dense"] / (b["fwd"] + b["bwd"])}

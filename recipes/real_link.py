@@ -5,6 +5,8 @@ and under the link simulator, on 2 and 3 nodes.
     python -m recipes.real_link --quick    # exercises the whole harness in a few minutes
     python -m recipes.real_link --settings 80x50 --nodes 2 3   # one link setting, both sizes
     python -m recipes.real_link --settings 80x50 --arms subspace-async   # one arm
+    python -m recipes.real_link --settings 80x50 --nodes 2 --arms dense subspace --loss 0.01
+        # the relay loses 1% of the packets, each direction; the simulator models TCP's recovery
     python -m recipes.real_link --sim-only # re-measure the simulator, keep the real runs
     python -m recipes.real_link --probe-only [--stock-buffers]   # the 2-node probes again
         # (--stock-buffers: at a stock host's 212,992 B socket buffer maxima, plus one dense
@@ -26,7 +28,15 @@ link setting (bandwidth, one-way delay):
   cost of one gloo message posted before and after its send; ``scripts/p2p_check.py`` over
   gloo: whether a late receive costs a round trip more); the relay's drop counts per run are
   recorded;
-* **simulated**: ``nodes`` local processes, no relay, ``--wan.bandwidth_mbps/--wan.latency_ms``.
+* **simulated**: ``nodes`` local processes, no relay, ``--wan.bandwidth_mbps/--wan.latency_ms``
+  (and ``--wan.packet_loss``).
+
+With ``--loss p`` the relay drops each packet with probability ``p`` (both directions, every pair,
+seeded) for the real runs, the simulator gets ``--wan.packet_loss p`` (``wire.tcp_loss``), and the
+rows are keyed apart (``80mbps_50ms_1pct_loss``). The table then also gives the planner's figure
+(``python -m protocol_models.plan``'s ``cluster.plan.predict_step``): the seconds per step it
+predicts the loss adds, against what the loss added to the real step (the real step at that loss
+less the real step of the same link without loss, both medians).
 
 The link-off and real runs come in pairs, ``--repeats`` of them, one right after the other: this
 machine's compute speed drifts by several percent over minutes, and a pair shares it. Tokens/s
@@ -51,6 +61,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -107,12 +118,23 @@ PER_STEP = ("wire/messages", "wire/collectives", "wire/collective_rounds")
 with every ``wire/recv_wait_s/*`` (the time the stages waited for each boundary's messages)."""
 
 
-def setting_key(mbps: float, delay_ms: float) -> str:
-    return f"{mbps:g}mbps_{delay_ms:g}ms"
+def setting_key(mbps: float, delay_ms: float, loss: float = 0.0, cc: str = "") -> str:
+    """``80mbps_50ms``, with ``_1pct_loss`` under loss and ``_bbr`` under another congestion
+    control than the one ``tcp_fixes`` sets."""
+    lost = f"_{100 * loss:g}pct_loss" if loss else ""
+    return f"{mbps:g}mbps_{delay_ms:g}ms{lost}{f'_{cc}' if cc else ''}"
 
 
-def run_key(mbps: float, delay_ms: float, nodes: int, mode: str) -> str:
-    return f"{setting_key(mbps, delay_ms)}/{nodes}n/{mode}"
+def parse_setting(key: str) -> tuple[float, float, float, str]:
+    """``setting_key``'s ``(mbps, delay_ms, loss, cc)``."""
+    pattern = r"([\d.]+)mbps_([\d.]+)ms(?:_([\d.]+)pct_loss)?(?:_([a-z]+))?"
+    mbps, delay, pct, cc = re.fullmatch(pattern, key).groups()
+    return float(mbps), float(delay), float(pct or 0) / 100, cc or ""
+
+
+def run_key(mbps: float, delay_ms: float, nodes: int, mode: str, loss: float = 0.0,
+            cc: str = "") -> str:  # fmt: skip
+    return f"{setting_key(mbps, delay_ms, loss, cc)}/{nodes}n/{mode}"
 
 
 def run_overrides(arm: str, nodes: int, steps: int, quick: bool) -> list[str]:
@@ -160,9 +182,11 @@ def link_off(folder: Path, arm: str, nodes: int, steps: int, quick: bool) -> dic
     return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
 
 
-def simulated(folder: Path, arm: str, nodes: int, shape: Shape, steps: int, quick: bool) -> dict:
+def simulated(folder: Path, arm: str, nodes: int, shape: Shape, steps: int, quick: bool,
+              loss: float = 0.0) -> dict:  # fmt: skip
     """One run with the link simulator: ``nodes`` local processes."""
-    wan = ["--wan.bandwidth_mbps", str(shape.mbps), "--wan.latency_ms", str(shape.delay_ms)]
+    wan = ["--wan.bandwidth_mbps", str(shape.mbps), "--wan.latency_ms", str(shape.delay_ms),
+           "--wan.packet_loss", str(loss)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     overrides = [*run_overrides(arm, nodes, steps, quick), *wan]
     return summarize(train(folder, overrides, toml=TOML, nproc=nodes, env=env))
@@ -195,12 +219,13 @@ def probe_json(side: int, args: list[str], env: dict | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def probe(shape: Shape) -> dict:
-    """Round trip, bulk TCP rate (2 s of data at the rate) and gloo message costs."""
+def probe(shape: Shape, loss: float = 0.0) -> dict:
+    """Round trip, bulk TCP rate (2 s of data at the rate; 2 MB under loss) and gloo message
+    costs."""
     result = {}
     with background(1, ["rtt-server"]):
         result.update(probe_json(0, ["rtt", "--peer", ADDRESSES[1]]))
-    nbytes = str(int(shape.mbps * 1e6 / 8 * 2))
+    nbytes = str(2_000_000 if loss else int(shape.mbps * 1e6 / 8 * 2))
     with background(1, ["bulk-server"]):
         result.update(probe_json(0, ["bulk", "--peer", ADDRESSES[1], "--nbytes", nbytes]))
     gloo = ["gloo", "--master", ADDRESSES[0]]
@@ -219,6 +244,15 @@ def probe(shape: Shape) -> dict:
         sender.wait()
     result["p2p_check"] = p2p_check()
     return result
+
+
+def set_congestion_control(name: str, nodes: int) -> str:
+    """Set ``net.ipv4.tcp_congestion_control`` to ``name`` in every namespace (after
+    ``apply_tcp_fixes``, which may have chosen another); returns it."""
+    for node in range(nodes):
+        setting = f"net.ipv4.tcp_congestion_control={name}"
+        subprocess.run(in_namespace(node, ["sysctl", "-q", "-w", setting]), check=True)
+    return name
 
 
 def p2p_check() -> dict:
@@ -298,6 +332,11 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
                         help="what the rows run (default: all)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2, help="link-off/real pairs per row")
+    parser.add_argument("--loss", type=float, default=0.0,
+                        help="probability that the link loses each packet (default 0)")
+    parser.add_argument("--congestion-control", default="", choices=["", "bbr", "cubic", "reno"],
+                        help="TCP congestion control in the namespaces instead of the one "
+                        "tcp_fixes sets (rows keyed apart; no simulated run)")  # fmt: skip
     parser.add_argument("--probe-only", action="store_true", help="re-measure the probes only")
     stock = "with --probe-only: probes and a dense run at stock buffers"
     parser.add_argument("--stock-buffers", action="store_true", help=stock)
@@ -332,16 +371,20 @@ def measure(args: argparse.Namespace, steps: int) -> dict:
         results["sim"] = {}
     save = lambda: path.write_text(json.dumps(results, indent=2))  # noqa: E731
     settings = [tuple(float(v) for v in s.split("x")) for s in args.settings]
+    loss, cc = args.loss, args.congestion_control
     for (mbps, delay_ms), nodes in itertools.product(settings, args.nodes):
         shape = Shape(mbps, delay_ms)
-        keys = [run_key(mbps, delay_ms, nodes, arm) for arm in args.arms]
+        keys = [run_key(mbps, delay_ms, nodes, arm, loss, cc) for arm in args.arms]
         todo = [k for k in keys if len(results["runs"].get(k, {}).get("real", [])) < args.repeats]
         if todo and not args.sim_only:
             with link_namespaces(shape, nodes) as relay:
-                setting = f"{setting_key(mbps, delay_ms)}/{nodes}n"
+                relay.fault(loss=loss)
+                setting = f"{setting_key(mbps, delay_ms, loss, cc)}/{nodes}n"
                 results["tcp"][setting] = apply_tcp_fixes(shape, nodes)
+                if cc:
+                    results["tcp"][setting]["chosen"] = set_congestion_control(cc, nodes)
                 if nodes == 2:
-                    results["probes"][setting_key(mbps, delay_ms)] = probe(shape)
+                    results["probes"][setting_key(mbps, delay_ms, loss, cc)] = probe(shape, loss)
                 save()
                 for key, arm in zip(keys, args.arms, strict=True):
                     row = results["runs"].setdefault(key, {"off": [], "real": []})
@@ -353,9 +396,9 @@ def measure(args: argparse.Namespace, steps: int) -> dict:
                         results["commits"][key] = current_commit()
                         save()
         for key, arm in zip(keys, args.arms, strict=True):
-            if key not in results["sim"]:
+            if key not in results["sim"] and not cc:  # the simulator models CUBIC
                 folder = args.out / "runs" / key / "sim"
-                results["sim"][key] = simulated(folder, arm, nodes, shape, steps, args.quick)
+                results["sim"][key] = simulated(folder, arm, nodes, shape, steps, args.quick, loss)
                 results["commits"][f"sim/{key}"] = current_commit()
                 save()
     results["wall_s"] = results.get("wall_s", 0.0) + time.time() - started
@@ -365,6 +408,30 @@ def measure(args: argparse.Namespace, steps: int) -> dict:
 
 def median_of(runs: list[dict], field: str = "tokens_per_s") -> float:
     return statistics.median(r[field] for r in runs)
+
+
+def planned_tokens_per_s(key: str, off_runs: list[dict], results: dict) -> float | None:
+    """The planner's tokens/s for row ``key`` (``cluster.plan.predict_step``, GPipe rows only),
+    its compute calibrated to the row's link-off runs: the MFU at 1 TFLOP/s that makes its
+    link-off prediction the measured link-off step, so what is left to compare is its network
+    model (packet loss included)."""
+    from protocol_models.cluster.network import Link
+    from protocol_models.cluster.plan import plan_stages, predict_step
+    from protocol_models.config.run_config import load_config
+
+    setting, nodes, arm = key.split("/")
+    mbps, delay, loss, cc = parse_setting(setting)
+    if arm not in ("dense", "subspace") or cc:  # the planner models CUBIC
+        return None
+    stages = int(nodes.removesuffix("n"))
+    overrides = [*run_overrides(arm, stages, results["steps"], results["quick"]),
+                 "--hardware.peak_tflops", "1"]  # fmt: skip
+    config = load_config(str(TOML), overrides, check_environment=False)
+    plans = plan_stages(config)
+    off_step = median_of(off_runs, "step_s")
+    mfu = predict_step(config, plans, [Link(None, 0.0)] * (stages - 1), 1.0)["step_s"] / off_step
+    step = predict_step(config, plans, [Link(mbps, delay, loss=loss)] * (stages - 1), mfu)
+    return median_of(off_runs) * off_step / step["step_s"]
 
 
 def error_pct(sim: dict, real_runs: list[dict]) -> float:
@@ -377,18 +444,20 @@ def render_table(results: dict) -> str:
     real step time, the share of its link-off throughput the real run kept, whether every real
     run's losses equal its link-off twin's bit for bit, the time the stages waited for messages
     per step, the packets the relay dropped, and the simulator's tokens/s with its error against
-    the real link (before and after, with ``--sim-only``)."""
+    the real link (before and after, with ``--sim-only``), and the planner's
+    (``planned_tokens_per_s``) with its error."""
     before = results.get("sim_before", {}).get("runs")
     head = "| link | nodes | mode | pairs | link-off tok/s | real tok/s | real step | kept |"
     head += " losses = link-off | waited/step | dropped | simulated tok/s | error |"
     if before:
         head = head.replace(" simulated tok/s | error |",
                             " simulated before | error | simulated after | error |")  # fmt: skip
+    head += " planner tok/s | error |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     unsteady = False
     for key, row in results["runs"].items():
         setting, nodes, mode = key.split("/")
-        mbps, delay = setting.removesuffix("ms").split("mbps_")
+        mbps, delay, loss, cc = parse_setting(setting)
         off, real_runs = row["off"], row["real"]
         same = all(r["losses"] == o["losses"] for r, o in zip(real_runs, off, strict=True))
         unsteady |= not all(r["steady"] for r in off + real_runs)
@@ -397,7 +466,9 @@ def render_table(results: dict) -> str:
             for r in real_runs
         )
         dropped = sum(sum(r.get("dropped", {}).values()) for r in real_runs)
-        cells = [f"{mbps} Mbit/s + {delay} ms", nodes.removesuffix("n"), mode,
+        link = f"{mbps:g} Mbit/s + {delay:g} ms" + (f", {100 * loss:g}% loss" if loss else "")
+        link += f", {cc.upper()}" if cc else ""
+        cells = [link, nodes.removesuffix("n"), mode,
                  str(len(real_runs)), f"{median_of(off):.0f}", f"{median_of(real_runs):.0f}",
                  f"{median_of(real_runs, 'step_s'):.3f}s",
                  f"{100 * median_of(real_runs) / median_of(off):.0f}%",
@@ -406,6 +477,9 @@ def render_table(results: dict) -> str:
             sim = (runs or {}).get(key)
             cells += ["–", "–"] if sim is None else [
                 f"{sim['tokens_per_s']:.0f}", f"{error_pct(sim, real_runs):+.0f}%"]
+        planned = planned_tokens_per_s(key, off, results)
+        cells += ["–", "–"] if planned is None else [
+            f"{planned:.0f}", f"{error_pct({'tokens_per_s': planned}, real_runs):+.0f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Medians over each row's link-off/real pairs (each run back to back); "
               "waited/step: the stages' summed wait for messages per step (real link)."]

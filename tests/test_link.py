@@ -106,18 +106,12 @@ def test_rendezvous_start_waits_for_the_receivers_notice():
 
 
 def test_link_changes_timing_only(tmp_path):
-    """Same seed, link off vs 20 Mbit/s + 20 ms: identical losses, and the link shows up in time."""
+    """Same seed, link off vs 20 Mbit/s + 20 ms losing 5% of its packets: identical losses, and
+    the link and what TCP's recovery from the lost packets costs show up in time."""
     off = torchrun(2, tmp_path / "off", "--training.steps", "4")
-    on = torchrun(
-        2,
-        tmp_path / "on",
-        "--training.steps",
-        "4",
-        "--wan.bandwidth_mbps",
-        "20",
-        "--wan.latency_ms",
-        "20",
-    )
+    link = ["--wan.bandwidth_mbps", "20", "--wan.latency_ms", "20", "--wan.packet_loss", "0.05"]
+    on = torchrun(2, tmp_path / "on", "--training.steps", "4", *link)
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
     assert all(r["wan/wire_s"] > 0 and r["wan/wait_s"] > 0 for r in on)
+    assert sum(r["wan/loss_s"] for r in on) > 0
     assert "wan/wire_s" not in off[-1]

@@ -30,11 +30,13 @@ class Link:
     """The network path of one pipeline boundary (or of a data-parallel group inside a region).
 
     ``mbps``: bandwidth in Mbit/s, ``None`` unlimited; ``latency_ms``: one-way latency;
-    ``crosses``: between regions."""
+    ``crosses``: between regions; ``loss``: the probability that a packet is lost
+    (``wire.tcp_loss`` models what it costs)."""
 
     mbps: float | None
     latency_ms: float
     crosses: bool = True
+    loss: float = 0.0
 
     @property
     def bps(self) -> float:
@@ -46,7 +48,8 @@ class Link:
 
     def describe(self) -> str:
         speed = f"{self.mbps:g} Mbit/s" if self.mbps else "unlimited bandwidth"
-        return f"{speed} + {self.latency_ms:g} ms"
+        lost = f", {100 * self.loss:g}% packet loss" if self.loss else ""
+        return f"{speed} + {self.latency_ms:g} ms{lost}"
 
 
 def parse_regions(text: str) -> list[int]:

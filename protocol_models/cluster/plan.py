@@ -141,10 +141,17 @@ from protocol_models.wire.async_schedule import (
     max_hop_depth,
     stage_depths,
 )
-from protocol_models.wire.link import rendezvous_period, serialization_seconds, transfer_seconds
+from protocol_models.wire.link import (
+    rendezvous_period,
+    segment_seconds,
+    serialization_seconds,
+    tcp_segments,
+    transfer_seconds,
+)
 from protocol_models.wire.meter import ring_rounds
 from protocol_models.wire.pipeline import split_stage
 from protocol_models.wire.sizes import message_bytes as boundary_message_bytes
+from protocol_models.wire.tcp_loss import expected_extra_s
 
 GIB = 1024**3
 MARGIN = 1.10
@@ -468,7 +475,7 @@ def predict_step(
     )
 
     def wire_seconds(nbytes: int, link: Link) -> float:
-        return serialization_seconds(replicas * nbytes, link.bps)
+        return message_seconds(nbytes, link, replicas)
 
     def one_pass(stage_seconds: list[float], nbytes: int, path: list[Link]) -> None:
         """Add one pass over ``stage_seconds`` through the links ``path`` (both in the order
@@ -492,7 +499,9 @@ def predict_step(
     one_pass(fwd, fwd_msg, links)
     one_pass(bwd[::-1], bwd_msg, links[::-1])
     worst = max(links, key=lambda link: link.latency_s, default=Link(None, 0.0))
-    terms["collectives_s"] = collective_rounds_per_step(config) * worst.latency_s
+    terms["collectives_s"] = collective_rounds_per_step(config) * (
+        worst.latency_s + loss_seconds(1, worst, replicas=1)
+    )
     if any(sync_bytes(config)):  # every boundary's exchange at once, before the optimizer step
         terms["collectives_s"] += (
             max(
@@ -514,6 +523,20 @@ def predict_step(
         "step_s": step,
         "tokens_per_s": tokens / step,
     }
+
+
+def loss_seconds(nbytes: int, link: Link, replicas: int) -> float:
+    """Mean seconds ``link.loss`` adds to one replica's ``nbytes`` message (``wire.tcp_loss``):
+    each of the ``replicas`` data-parallel replicas has a connection of its own at its share of
+    the link's rate."""
+    return expected_extra_s(tcp_segments(nbytes), link.loss, link.latency_s,
+                            segment_seconds(link.bps / replicas))  # fmt: skip
+
+
+def message_seconds(nbytes: int, link: Link, replicas: int) -> float:
+    """Seconds one microbatch's ``nbytes`` message holds ``link`` that ``replicas`` replicas
+    share: their bytes with TCP/IP headers at its rate, plus what its packet loss adds."""
+    return serialization_seconds(replicas * nbytes, link.bps) + loss_seconds(nbytes, link, replicas)
 
 
 def fsdp_bytes(config, params: int) -> tuple[float, float]:
@@ -550,9 +573,10 @@ def predict_async_step(
     """The ``Async1F1B`` step of ``plans`` (``wire.async_schedule``), next to the synchronous
     prediction ``synchronous`` of the same layout: no fill and drain in steady state, each stage a
     microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` (``T`` the busiest stage's
-    forward + backward, ``x`` a message's serialization on the slowest link, ``L`` the largest
-    latency, ``d`` the hop depth: the configured one under ``Async1F1B``, else the smallest that
-    hides the round trip, at most the largest the microbatches allow), so ``M`` periods a step,
+    forward + backward, ``x`` a message's time on the slowest link, ``message_seconds``, ``L``
+    the largest latency, ``d`` the hop depth: the configured one under ``Async1F1B``, else the
+    smallest that hides the round trip, at most the largest the microbatches allow), so ``M``
+    periods a step,
     and at every flush (validation, checkpoint, last step) the synchronous step's fill and drain.
     No collective is waited for between flushes (the norms travel per batch, a log step's
     metrics gather is not waited on). Seconds:
@@ -560,10 +584,10 @@ def predict_async_step(
     ``tokens_per_s``."""
     _, n_mb, _ = microbatching(config)
     stages, replicas = config.layout_stages, config.replicas
-    slow = min(links, key=lambda link: link.bps, default=Link(None, 0.0))
     latency = max((link.latency_s for link in links), default=0.0)
     fwd_msg, bwd_msg = message_bytes(config)
-    wire = max(serialization_seconds(replicas * n, slow.bps) for n in (fwd_msg, bwd_msg))
+    wire = max((message_seconds(n, link, replicas) for n in (fwd_msg, bwd_msg) for link in links),
+               default=0.0)  # fmt: skip
     fwd = max(compute_seconds(config, p.fwd_flops, mfu) for p in plans)
     bwd = max(compute_seconds(config, p.bwd_flops, mfu) for p in plans)
     slot = max(compute_seconds(config, p.fwd_flops + p.bwd_flops, mfu) for p in plans)

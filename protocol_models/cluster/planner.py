@@ -1,8 +1,8 @@
 """The dry-run planner's command: check a layout and its cluster before paying for GPUs.
 
     python -m protocol_models.plan --toml FILE [--regions N,N,..] [--bandwidth-mbps B]
-        [--latency-ms L] [--region-bandwidth-mbps B] [--region-latency-ms L] [--mfu F]
-        [--propose-split] [overrides]
+        [--latency-ms L] [--packet-loss P] [--region-bandwidth-mbps B] [--region-latency-ms L]
+        [--mfu F] [--propose-split] [overrides]
 
 Prints, from the cost model (``cluster.plan``) on the cluster's network (``cluster.network``):
 the layout and per stage its parameters, memory terms, fit and compute; the wire bytes per
@@ -14,7 +14,8 @@ each node needs for its checkpoints, and, where a stage does not fit, the remedi
 the memory they leave. Exits 1 if a stage does not fit, 2 on bad input.
 
 The slow link between regions is ``--bandwidth-mbps``/``--latency-ms``, else the config's
-``[transport] link_mbps``/``link_latency_ms``; ``--regions`` (nodes per region, in node order)
+``[transport] link_mbps``/``link_latency_ms``, losing ``--packet-loss`` of its packets (TCP's
+recovery modelled by ``wire.tcp_loss``); ``--regions`` (nodes per region, in node order)
 says which boundaries cross it, the others run at ``--region-bandwidth-mbps``/
 ``--region-latency-ms`` (assumed 100 Gbit/s and 0.5 ms unless given, and the report says so).
 """
@@ -307,6 +308,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="its one-way latency (default: [transport] link_latency_ms)",
     )
+    parser.add_argument("--packet-loss", type=float, default=0.0,
+                        help="the probability that the link between regions loses a packet, "
+                        "e.g. 0.01 (default 0)")  # fmt: skip
     parser.add_argument(
         "--region-bandwidth-mbps",
         type=float,
@@ -339,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not 0 < known.mfu <= 1:
             raise UserError(f"--mfu {known.mfu:g}: must be in (0, 1]")
+        if not 0 <= known.packet_loss <= 0.5:
+            raise UserError(f"--packet-loss {known.packet_loss:g}: a probability per packet, "
+                            "in [0, 0.5]")  # fmt: skip
         config = load_config(toml_path, overrides, check_environment=False)
         transport = config.transport
         mbps = known.bandwidth_mbps if known.bandwidth_mbps is not None else (
@@ -348,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         source = "as given" if given else (
             "[transport] link_mbps and link_latency_ms" if transport.link_stated else "no link "
             "given: --bandwidth-mbps and --latency-ms")  # fmt: skip
-        slow = Link(mbps, ms)
+        slow = Link(mbps, ms, loss=known.packet_loss)
         local = Link(known.region_bandwidth_mbps or REGION_MBPS,
                      REGION_LATENCY_MS if known.region_latency_ms is None
                      else known.region_latency_ms, crosses=False)  # fmt: skip

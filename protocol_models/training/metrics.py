@@ -197,7 +197,8 @@ class ProtocolMetricsProcessor(MetricsProcessor):
     wire: Wire | None = None
     """The trainer's wire, handed over after construction as TorchTitan hands over
     ``optimizers`` and ``model_parts``: its meter is summed over the pipeline group at every log
-    step, its link (``[wan]`` on) gives ``wan/wait_s`` and ``wan/wire_s`` per step."""
+    step, its link (``[wan]`` on) gives ``wan/wait_s``, ``wan/wire_s``, ``wan/collective_s`` and
+    ``wan/loss_s`` (what ``packet_loss`` added) per step."""
 
     def __init__(self, *args, config_dict: dict[str, Any] | None = None, **kwargs):
         super().__init__(*args, config_dict=config_dict, **kwargs)
@@ -408,8 +409,8 @@ class _StageRow:
     @property
     def width(self) -> int:
         """Values per row: 5 scalars, 4 byte counters and, per direction, messages and waits
-        per boundary, 3 link sums, the leak and the ids checksum."""
-        return 5 + len(self.COUNTERS) * len(self.boundaries) + 2 * len(self.keys) + 3 + 2
+        per boundary, 4 link sums, the leak and the ids checksum."""
+        return 5 + len(self.COUNTERS) * len(self.boundaries) + 2 * len(self.keys) + 4 + 2
 
     def pack(self, meter, link, loss, max_loss, leak, peak, checksum, device) -> torch.Tensor:
         """The row; ``loss``/``max_loss`` floats or device scalars (the last stage's)."""
@@ -419,7 +420,7 @@ class _StageRow:
         values += [float(getattr(meter, c)[b]) for c in self.COUNTERS for b in self.boundaries]
         values += [float(meter.messages[key]) for key in self.keys]
         values += [meter.wait_seconds(key) for key in self.keys]
-        values += [link.wait_s, link.wire_s, link.collective_s] if link else [0.0, 0.0, 0.0]
+        values += [link.wait_s, link.wire_s, link.collective_s, link.loss_s] if link else [0.0] * 4
         head = torch.tensor(values, dtype=torch.float64, device=device)
         no_leak = torch.full((1,), -1.0, dtype=torch.float64, device=device)
         ids = torch.zeros((), dtype=torch.int64, device=device) if checksum is None else checksum
@@ -440,7 +441,7 @@ class _StageRow:
         counters = {c: [total() for _ in self.boundaries] for c in self.COUNTERS}
         messages = {key: total() for key in self.keys}
         waits = {key: total() for key in self.keys}
-        link_sums = [total() for _ in range(3)]
+        link_sums = [total() for _ in range(4)]
         fwd, bwd, dense = (sum(counters[c]) for c in ("fwd", "bwd", "dense"))
         metrics = {
             "loss": last[0],
@@ -469,7 +470,9 @@ class _StageRow:
         for s, r in enumerate(table):
             metrics[f"memory/peak_gib/s{s}"] = r[2] / 1024**3
         if has_link:
-            metrics["wan/wait_s"], metrics["wan/wire_s"], metrics["wan/collective_s"] = link_sums
+            for name, value in zip(("wait_s", "wire_s", "collective_s", "loss_s"), link_sums,
+                                   strict=True):  # fmt: skip
+                metrics[f"wan/{name}"] = value
         _check_ids(ids, step)
         metrics["data/ids_checksum"] = ids[0] % 2**24
         return metrics

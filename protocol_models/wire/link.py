@@ -21,6 +21,12 @@ headers and gloo's receiver-driven rendezvous. It is receiver-side and schedule-
 * collectives that cross the pipeline's links (the gradient-norm all-reduce every step, the
   metrics gathered at log steps) run over the real process group, then wait ``collective``'s
   latency rounds;
+* with ``packet_loss``, every message, every receive's ready notice and every collective round
+  also pays what TCP's recovery from random loss costs it (``wire.tcp_loss``): each direction
+  of each boundary is a TCP connection whose congestion window carries over from message to
+  message, and a message's extra time holds its direction as long as it holds the message (a
+  byte stream delivers in order). Every rank draws a collective's extra from the same seeded
+  sequence, so the ranks stay in step;
 * the sender's wall-clock stamp travels in the message (``wire.message``) and is not billed;
 * time really passes: the receiving stage sleeps until the message is available, so step time and
   tokens/s are measured, not computed. Validation (eval mode) runs with the link off.
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -41,6 +48,7 @@ import torch
 
 from protocol_models.tools.errors import require
 from protocol_models.tools.ranges import AT_LEAST_0, Range, Ranges
+from protocol_models.wire.tcp_loss import TcpFlow
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,12 +62,16 @@ class LinkSettings:
     bandwidth_mbps_per_boundary: list[float] = field(default_factory=list)
     """Optional per-boundary bandwidths (boundary i joins stages i, i + 1); overrides the above."""
     latency_ms_per_boundary: list[float] = field(default_factory=list)
+    packet_loss: float = 0.0
+    """Probability that each packet is lost, each direction of every boundary (0 = none); TCP's
+    recovery is modelled (``wire.tcp_loss``)."""
 
     RANGES: ClassVar[Ranges] = {
         "bandwidth_mbps": Range(low=0, note="0 = unlimited"),
         "latency_ms": AT_LEAST_0,
         "bandwidth_mbps_per_boundary": Range(low=0, note="0 = unlimited"),
         "latency_ms_per_boundary": AT_LEAST_0,
+        "packet_loss": Range(low=0, high=0.5, note="a probability per packet; 0 = none"),
     }
 
     def check_boundaries(self, n_boundaries: int) -> None:
@@ -78,6 +90,7 @@ class LinkSettings:
             or self.latency_ms
             or any(self.bandwidth_mbps_per_boundary)
             or any(self.latency_ms_per_boundary)
+            or self.packet_loss > 0
         )
 
     def bandwidth_bps(self, boundary: int) -> float:
@@ -104,6 +117,20 @@ TCP_MSS_BYTES = 1448
 TCP and 12 B of TCP timestamp options)."""
 TCP_HEADER_BYTES = 52
 """IPv4 + TCP headers (with timestamps, Linux's default) that every segment carries."""
+
+
+READY_NOTICE_BYTES = 64
+"""Rough size of gloo's ready notice (one segment): what a receive posts to its sender."""
+
+
+def tcp_segments(nbytes: float) -> int:
+    """TCP segments a ``nbytes`` payload is cut into (at least one)."""
+    return max(1, math.ceil(nbytes / TCP_MSS_BYTES))
+
+
+def segment_seconds(bandwidth_bps: float) -> float:
+    """Seconds one full segment (payload and headers) occupies a link (0 when unlimited)."""
+    return serialization_seconds(TCP_MSS_BYTES, bandwidth_bps)
 
 
 def tcp_wire_bytes(nbytes: float) -> float:
@@ -179,15 +206,47 @@ class SimulatedLink:
     def __init__(self, settings: LinkSettings):
         self.settings = settings
         self.wire_free: dict[tuple[str, int], float] = {}
+        self.flows: dict[tuple[str, int], TcpFlow] = {}
+        """The TCP connection of each inbound direction, and of each ready notice's way back
+        (``"notice"``), under ``packet_loss``."""
+        self.collective_flow = TcpFlow(
+            settings.packet_loss, settings.max_latency_s(), segment_seconds(math.inf), seed=0
+        )
+        """The small messages of the collectives over the slowest boundary: one seeded
+        sequence, the same on every rank."""
         self.wait_s = 0.0
         self.wire_s = 0.0
+        self.loss_s = 0.0
+        """Of ``wire_s`` and ``collective_s``: what the packet loss added."""
         self.collective_s = 0.0
         self.log: list[Delivery] = []
 
     def reset_counters(self) -> None:
         """Start a new accounting window (the links' state carries over)."""
-        self.wait_s = self.wire_s = self.collective_s = 0.0
+        self.wait_s = self.wire_s = self.collective_s = self.loss_s = 0.0
         self.log.clear()
+
+    def _flow(self, key: tuple[str, int], seed: int | None = None) -> TcpFlow:
+        """The TCP connection ``key`` (direction or ``"notice"``/``"collective"``, boundary),
+        made on first use, seeded by its key unless ``seed`` is given."""
+        if key not in self.flows:
+            boundary = key[1]
+            seed = zlib.crc32(repr(key).encode()) if seed is None else seed
+            self.flows[key] = TcpFlow(
+                self.settings.packet_loss,
+                self.settings.latency_s(boundary),
+                segment_seconds(self.settings.bandwidth_bps(boundary)),
+                seed,
+            )
+        return self.flows[key]
+
+    def _loss_extra(self, key: tuple[str, int], nbytes: int) -> float:
+        """Seconds packet loss adds to ``nbytes`` over connection ``key`` (0 without loss)."""
+        if self.settings.packet_loss <= 0:
+            return 0.0
+        extra = self._flow(key).extra_s(tcp_segments(nbytes))
+        self.loss_s += extra
+        return extra
 
     @staticmethod
     def stamp(device: torch.device) -> torch.Tensor:
@@ -206,8 +265,10 @@ class SimulatedLink:
         """Sleep until the ``nbytes`` message ``stamp`` came with is available (``arrival``)."""
         sent_at = float(stamp.item())  # the receiver sleeps on the host: one read per message
         latency = self.settings.latency_s(boundary)
-        serialize = serialization_seconds(nbytes, self.settings.bandwidth_bps(boundary))
         key = (direction, boundary)
+        serialize = serialization_seconds(nbytes, self.settings.bandwidth_bps(boundary))
+        serialize += self._loss_extra(key, nbytes)
+        posted_at += self._loss_extra(("notice", boundary), READY_NOTICE_BYTES)
         available, left = arrival(
             sent_at, posted_at, self.wire_free.get(key, 0.0), serialize, latency
         )
@@ -229,14 +290,24 @@ class SimulatedLink:
         """Sleep ``rounds`` one-way latencies of the slowest boundary: what a collective over the
         pipeline's links adds to its cost on one machine. Called on every rank right after the
         collective returned (it synchronized them), so the ranks stay in step."""
-        latency = self.settings.max_latency_s()
-        self.collective_s += rounds * latency
-        time.sleep(rounds * latency)
+        wait = rounds * self.settings.max_latency_s() + self._collective_loss(rounds)
+        self.collective_s += wait
+        time.sleep(wait)
+
+    def _collective_loss(self, rounds: int) -> float:
+        """What packet loss adds to ``rounds`` rounds of small messages over the slowest
+        boundary, drawn from ``collective_flow``, whose sequence every rank shares."""
+        if self.settings.packet_loss <= 0:
+            return 0.0
+        extra = sum(self.collective_flow.extra_s(1) for _ in range(rounds))
+        self.loss_s += extra
+        return extra
 
     def exchange(self, last_sent_at: float) -> None:
         """Sleep until the last of the values other stages sent at ``last_sent_at`` (their
         clocks) has crossed the slowest boundary (``wire.norm_exchange``)."""
         wait = last_sent_at + self.settings.max_latency_s() - time.time()
+        wait += self._collective_loss(1)
         if wait > 0:
             self.collective_s += wait
             time.sleep(wait)
