@@ -16,7 +16,7 @@ from conftest import NCCL_RULES, REPO, TINY, VALIDATE_AT_END, torchrun
 
 from protocol_models.wire.message import MessageLayout
 from protocol_models.wire.meter import WireMeter, mark
-from protocol_models.wire.transport import bdp_bytes, tcp_advice, tcp_fixes
+from protocol_models.wire.transport import LOSSY_LINK, bdp_bytes, tcp_advice, tcp_fixes
 
 # tests/tiny.toml: 4 microbatches per step (local_batch_size 4, microbatch 1)
 N_MB = 4
@@ -249,6 +249,26 @@ def test_tcp_check_names_the_fix_in_one_line(tmp_path):
         "net.ipv4.tcp_slow_start_after_idle": "0", "net.core.wmem_max": "4194304",
         "net.core.rmem_max": "4194304"})  # fmt: skip
     assert tcp_advice(80, 50, tuned) is None
+
+
+def test_tcp_check_asks_for_bbr_on_a_link_that_loses_packets(tmp_path):
+    """From ``LOSSY_LINK`` on, BBR (which keeps its rate under random loss) instead of CUBIC;
+    below it, CUBIC instead of BBR; a kernel without the wanted one is left alone."""
+    tuned = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.core.wmem_max": "4194304",
+             "net.core.rmem_max": "4194304",
+             "net.ipv4.tcp_available_congestion_control": "reno cubic bbr"}  # fmt: skip
+    cubic = _sysctl_tree(tmp_path / "cubic", **tuned)
+    bbr = _sysctl_tree(tmp_path / "bbr", **tuned, **{"net.ipv4.tcp_congestion_control": "bbr"})
+    lossy = tcp_advice(80, 50, cubic, loss=LOSSY_LINK)
+    assert lossy.endswith("sysctl -w net.ipv4.tcp_congestion_control=bbr")
+    assert f"losing {100 * LOSSY_LINK:g}% of its packets" in lossy
+    assert tcp_advice(80, 50, bbr, loss=LOSSY_LINK) is None
+    assert tcp_fixes(80, 50, cubic, loss=LOSSY_LINK / 2) == {}
+    assert tcp_fixes(80, 50, bbr, loss=LOSSY_LINK / 2) == {
+        "net.ipv4.tcp_congestion_control": "cubic"}  # fmt: skip
+    no_bbr = _sysctl_tree(tmp_path / "no-bbr", **{**tuned,
+        "net.ipv4.tcp_available_congestion_control": "reno cubic"})  # fmt: skip
+    assert tcp_advice(80, 50, no_bbr, loss=0.05) is None
 
 
 def test_config_check_prints_the_tcp_line_for_a_stated_link():

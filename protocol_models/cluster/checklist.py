@@ -162,7 +162,9 @@ def sysctls_row(config) -> Row:
     transport = config.transport
     if not transport.link_stated:
         return Row("sysctls", "n/a", "[transport] link_mbps and link_latency_ms not stated")
-    advice = tcp_advice(transport.link_mbps, transport.link_latency_ms)
+    advice = tcp_advice(
+        transport.link_mbps, transport.link_latency_ms, loss=transport.link_packet_loss
+    )
     if advice:
         return Row("sysctls", "warn", advice.removeprefix("warning: "))
     link = f"{transport.link_mbps:g} Mbit/s + {transport.link_latency_ms:g} ms"

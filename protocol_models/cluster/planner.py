@@ -14,10 +14,11 @@ each node needs for its checkpoints, and, where a stage does not fit, the remedi
 the memory they leave. Exits 1 if a stage does not fit, 2 on bad input.
 
 The slow link between regions is ``--bandwidth-mbps``/``--latency-ms``, else the config's
-``[transport] link_mbps``/``link_latency_ms``, losing ``--packet-loss`` of its packets (TCP's
-recovery modelled by ``wire.tcp_loss``); ``--regions`` (nodes per region, in node order)
-says which boundaries cross it, the others run at ``--region-bandwidth-mbps``/
-``--region-latency-ms`` (assumed 100 Gbit/s and 0.5 ms unless given, and the report says so).
+``[transport] link_mbps``/``link_latency_ms``, losing ``--packet-loss`` (else ``[transport]
+link_packet_loss``) of its packets (TCP's recovery modelled by ``wire.tcp_loss``);
+``--regions`` (nodes per region, in node order) says which boundaries cross it, the others run
+at ``--region-bandwidth-mbps``/``--region-latency-ms`` (assumed 100 Gbit/s and 0.5 ms unless
+given, and the report says so).
 """
 
 from __future__ import annotations
@@ -308,9 +309,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="its one-way latency (default: [transport] link_latency_ms)",
     )
-    parser.add_argument("--packet-loss", type=float, default=0.0,
+    parser.add_argument("--packet-loss", type=float, default=None,
                         help="the probability that the link between regions loses a packet, "
-                        "e.g. 0.01 (default 0)")  # fmt: skip
+                        "e.g. 0.01 (default: [transport] link_packet_loss)")  # fmt: skip
     parser.add_argument(
         "--region-bandwidth-mbps",
         type=float,
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not 0 < known.mfu <= 1:
             raise UserError(f"--mfu {known.mfu:g}: must be in (0, 1]")
-        if not 0 <= known.packet_loss <= 0.5:
+        if known.packet_loss is not None and not 0 <= known.packet_loss <= 0.5:
             raise UserError(f"--packet-loss {known.packet_loss:g}: a probability per packet, "
                             "in [0, 0.5]")  # fmt: skip
         config = load_config(toml_path, overrides, check_environment=False)
@@ -355,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         source = "as given" if given else (
             "[transport] link_mbps and link_latency_ms" if transport.link_stated else "no link "
             "given: --bandwidth-mbps and --latency-ms")  # fmt: skip
-        slow = Link(mbps, ms, loss=known.packet_loss)
+        loss = transport.link_packet_loss if known.packet_loss is None else known.packet_loss
+        slow = Link(mbps, ms, loss=loss)
         local = Link(known.region_bandwidth_mbps or REGION_MBPS,
                      REGION_LATENCY_MS if known.region_latency_ms is None
                      else known.region_latency_ms, crosses=False)  # fmt: skip

@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nproc={config.world_size}")
     print(f"device={config.hardware.device}")
     transport = config.transport
-    advice = transport.link_stated and tcp_advice(transport.link_mbps, transport.link_latency_ms)
+    advice = transport.link_stated and tcp_advice(
+        transport.link_mbps, transport.link_latency_ms, loss=transport.link_packet_loss
+    )
     if advice:
         print(advice, file=sys.stderr)
     interfaces = int(os.environ.get("NNODES", "1")) > 1 and interface_warning()

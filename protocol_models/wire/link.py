@@ -217,7 +217,7 @@ class SimulatedLink:
         self.wait_s = 0.0
         self.wire_s = 0.0
         self.loss_s = 0.0
-        """Of ``wire_s`` and ``collective_s``: what the packet loss added."""
+        """What ``packet_loss`` added to the messages, ready notices and collectives."""
         self.collective_s = 0.0
         self.log: list[Delivery] = []
 
@@ -226,17 +226,16 @@ class SimulatedLink:
         self.wait_s = self.wire_s = self.collective_s = self.loss_s = 0.0
         self.log.clear()
 
-    def _flow(self, key: tuple[str, int], seed: int | None = None) -> TcpFlow:
-        """The TCP connection ``key`` (direction or ``"notice"``/``"collective"``, boundary),
-        made on first use, seeded by its key unless ``seed`` is given."""
+    def _flow(self, key: tuple[str, int]) -> TcpFlow:
+        """The TCP connection ``key`` (direction or ``"notice"``, boundary), made on first use,
+        seeded by its key."""
         if key not in self.flows:
             boundary = key[1]
-            seed = zlib.crc32(repr(key).encode()) if seed is None else seed
             self.flows[key] = TcpFlow(
                 self.settings.packet_loss,
                 self.settings.latency_s(boundary),
                 segment_seconds(self.settings.bandwidth_bps(boundary)),
-                seed,
+                seed=zlib.crc32(repr(key).encode()),
             )
         return self.flows[key]
 
@@ -266,14 +265,12 @@ class SimulatedLink:
         sent_at = float(stamp.item())  # the receiver sleeps on the host: one read per message
         latency = self.settings.latency_s(boundary)
         key = (direction, boundary)
-        serialize = serialization_seconds(nbytes, self.settings.bandwidth_bps(boundary))
-        serialize += self._loss_extra(key, nbytes)
+        hold = serialization_seconds(nbytes, self.settings.bandwidth_bps(boundary))
+        hold += self._loss_extra(key, nbytes)  # the message holds its connection while it heals
         posted_at += self._loss_extra(("notice", boundary), READY_NOTICE_BYTES)
-        available, left = arrival(
-            sent_at, posted_at, self.wire_free.get(key, 0.0), serialize, latency
-        )
+        available, left = arrival(sent_at, posted_at, self.wire_free.get(key, 0.0), hold, latency)
         self.wire_free[key] = left
-        self.wire_s += serialize + latency
+        self.wire_s += hold + latency
         now = time.time()
         waited = available > now
         if waited:

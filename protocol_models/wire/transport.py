@@ -9,7 +9,11 @@ window of 10 segments, which costs a pipeline message several round trips; and B
 burst at its estimate of the path's rate, which the pipeline's short bursts between idle spells
 (an application-limited flow) keep far below the link's, so each message is spread over much
 of a round trip -- a loss-based congestion control (CUBIC, Linux's default) sends a message
-that fits its window at once. ``tcp_advice`` reads this node's settings and returns the one
+that fits its window at once. On a link that loses packets at random it is the other way round:
+CUBIC shrinks its window at every loss and settles near ``sqrt(3 / 2p)`` segments per round
+trip (``wire.tcp_loss``), while BBR, which does not read loss as congestion, keeps its rate; so
+for a link stated to lose at least ``LOSSY_LINK`` of its packets the advice is BBR
+(docs/multinode.md#packet-loss). ``tcp_advice`` reads this node's settings and returns the one
 line that fixes them, or None.
 """
 
@@ -47,6 +51,10 @@ class TransportSettings:
     bandwidth-delay product and prints the ``sysctl`` line that fixes them."""
     link_latency_ms: float = 0.0
     """That link's one-way latency in ms."""
+    link_packet_loss: float = 0.0
+    """The share of that link's packets lost at random (0: none stated); from
+    ``LOSSY_LINK`` on, the TCP advice is BBR instead of CUBIC; the planner's default
+    ``--packet-loss``."""
     async_hop_depth: int = 1
     """Under ``[parallelism] pipeline_parallel_schedule = "Async1F1B"``: how many microbatches
     each stage's backwards trail the next stage's (``wire.async_schedule``: stage ``s`` trails its
@@ -71,11 +79,18 @@ class TransportSettings:
         "stall_bound_floor_seconds": Range(low=1),
         "link_mbps": Range(low=0, note="0 = not stated"),
         "link_latency_ms": Range(low=0, note="0 = not stated"),
+        "link_packet_loss": Range(low=0, high=0.5, note="a probability per packet; 0 = none"),
     }
 
     @property
     def link_stated(self) -> bool:
         return self.link_mbps > 0 and self.link_latency_ms > 0
+
+
+LOSSY_LINK = 0.01
+"""Packet loss from which the advice is BBR: on the real shaped link at 80 Mbit/s + 50 ms and 1%
+loss, BBR trained both the compressed and the dense 2-stage run faster than CUBIC
+(results/README.md, real link)."""
 
 
 def bdp_bytes(mbps: float, latency_ms: float) -> int:
@@ -91,11 +106,14 @@ def read_sysctl(name: str, root: Path = SYSCTL_ROOT) -> str | None:
         return None
 
 
-def tcp_fixes(mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT) -> dict[str, str]:
-    """The sysctl settings to change on this node for a ``mbps`` + ``latency_ms`` link, with
-    their new values: slow start after idle off, buffer maxima of at least twice the
-    bandwidth-delay product, and CUBIC instead of BBR where the kernel offers it (module
-    docstring: BBR's pacing delays each pipeline message)."""
+def tcp_fixes(
+    mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT, loss: float = 0.0
+) -> dict[str, str]:
+    """The sysctl settings to change on this node for a ``mbps`` + ``latency_ms`` link losing
+    ``loss`` of its packets, with their new values: slow start after idle off, buffer maxima of
+    at least twice the bandwidth-delay product, and, where the kernel offers it, CUBIC instead
+    of BBR (module docstring: BBR's pacing delays each pipeline message) -- or, from
+    ``LOSSY_LINK`` on, BBR instead of any other."""
     want = 2 * bdp_bytes(mbps, latency_ms)
     fixes: dict[str, str] = {}
     if read_sysctl("net.ipv4.tcp_slow_start_after_idle", root) not in (None, "0"):
@@ -112,22 +130,26 @@ def tcp_fixes(mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT) -> dict[
                 fixes[name] = f"{low} {default} {want}"
     available = (read_sysctl("net.ipv4.tcp_available_congestion_control", root) or "").split()
     current = read_sysctl("net.ipv4.tcp_congestion_control", root)
-    if current == "bbr" and "cubic" in available:
-        fixes["net.ipv4.tcp_congestion_control"] = "cubic"
+    wanted = "bbr" if loss >= LOSSY_LINK else "cubic"
+    if current != wanted and wanted in available and (current == "bbr" or wanted == "bbr"):
+        fixes["net.ipv4.tcp_congestion_control"] = wanted
     return fixes
 
 
-def tcp_advice(mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT) -> str | None:
+def tcp_advice(
+    mbps: float, latency_ms: float, root: Path = SYSCTL_ROOT, loss: float = 0.0
+) -> str | None:
     """One line: what this node's TCP settings lack for the link, and the command that fixes
     them (None: nothing to fix)."""
-    fixes = tcp_fixes(mbps, latency_ms, root)
+    fixes = tcp_fixes(mbps, latency_ms, root, loss)
     if not fixes:
         return None
     assignments = " ".join(
         f"{name}={value!r}" if " " in value else f"{name}={value}" for name, value in fixes.items()
     )
     return (
-        f"warning: this node's TCP settings slow a {mbps:g} Mbit/s + {latency_ms:g} ms link "
+        f"warning: this node's TCP settings slow a {mbps:g} Mbit/s + {latency_ms:g} ms link"
+        f"{f' losing {100 * loss:g}% of its packets' if loss else ''} "
         f"(bandwidth-delay product {bdp_bytes(mbps, latency_ms) / 1e6:.2f} MB; see "
         f"docs/multinode.md#tcp-on-long-fat-links); as root: sysctl -w {assignments}"
     )
