@@ -5,6 +5,7 @@ follows."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -78,3 +79,23 @@ def test_the_planner_adds_the_mean_loss_cost_to_each_message():
     assert 2.0 < message_seconds(524_288, lossy, replicas=1) < 4.5
     small = message_seconds(16_384, lossy, replicas=1) - message_seconds(16_384, clean, 1)
     assert 0.03 < small < 0.2
+
+
+def test_the_planner_prices_a_lossy_link_and_says_it_models_cubic(capsys):
+    """``--packet-loss 0.01`` on the 2-region 2B plan: the network line names the loss, the
+    crossing boundary's messages cost more than on the clean link, and the report says the
+    figure is CUBIC's while the config check asks for BBR at this loss."""
+    from conftest import REPO
+
+    from protocol_models.cluster.planner import main as plan_main
+
+    toml = str(REPO / "configs/llama3_2b_protocol.toml")
+    link = ["--regions", "4,4", "--bandwidth-mbps", "80", "--latency-ms", "50"]
+    steps = []
+    for loss in ("0", "0.01"):
+        assert plan_main(["--toml", toml, *link, "--packet-loss", loss]) == 0
+        out = capsys.readouterr().out
+        steps.append(float(re.search(r"\| = predicted step time \| [\d.]+ s \| ([\d.]+) s", out)[1]))
+    assert "at 80 Mbit/s + 50 ms, 1% packet loss" in out
+    assert "the steps above are TCP CUBIC's" in out and "asks for BBR" in out
+    assert steps[1] > steps[0]

@@ -63,6 +63,7 @@ from protocol_models.config.run_config import check_async, load_config, split_ar
 from protocol_models.model.boundary import label
 from protocol_models.tools.errors import UserError
 from protocol_models.wire import codec_for
+from protocol_models.wire.transport import LOSSY_LINK
 
 
 def mode_label(config) -> str:
@@ -395,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     print(render(config, plans, wire_plan(config), predictions, network, local, known.mfu))
     if async_refused:
         print(f"\nAsync1F1B is not predicted for this layout: {async_refused}")
+    if slow.loss >= LOSSY_LINK:
+        print(f"\npacket loss {100 * slow.loss:g}%: the steps above are TCP CUBIC's; at this loss "
+              "the config check asks for BBR, which measured faster on a real link losing 1% "
+              "(docs/multinode.md#packet-loss) and is not modelled")  # fmt: skip
     mine = predictions[mode_label(config)]
     for paragraph in advise(config, plans, mine, variant, links_for, known.mfu, local,
                             known.propose_split):  # fmt: skip
