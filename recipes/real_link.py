@@ -71,6 +71,7 @@ from pathlib import Path
 from recipes.common import REPO, steady_step_time, timing_overrides, train, tun_relay
 from recipes.common.shaped_link import (
     MASTER_PORT,
+    allow_congestion_control,
     apply_tcp_fixes,
     current_commit,
     host_sysctl,
@@ -248,7 +249,9 @@ def probe(shape: Shape, loss: float = 0.0) -> dict:
 
 def set_congestion_control(name: str, nodes: int) -> str:
     """Set ``net.ipv4.tcp_congestion_control`` to ``name`` in every namespace (after
-    ``apply_tcp_fixes``, which may have chosen another); returns it."""
+    ``apply_tcp_fixes``, which may have chosen another; a namespace may only choose from the
+    host's allowed list, so it joins that list first); returns it."""
+    allow_congestion_control(name)
     for node in range(nodes):
         setting = f"net.ipv4.tcp_congestion_control={name}"
         subprocess.run(in_namespace(node, ["sysctl", "-q", "-w", setting]), check=True)

@@ -43,6 +43,15 @@ def test_a_lost_segment_with_a_later_one_delivered_costs_one_round_trip():
     assert Scripted({2}).extra_s(8) == pytest.approx(2 * LATENCY_S, abs=8 * SEGMENT_S)
 
 
+def test_a_timeout_restarts_the_window_but_keeps_the_episode_threshold():
+    """A lone segment lost and its probe lost: the window restarts at one segment, the slow-start
+    threshold stays at 0.7 of the window before the loss (not cut again by the timeout)."""
+    flow = Scripted({0, 1})
+    flow.cwnd = 100.0
+    flow.send(1)
+    assert flow.cwnd == 1.0 and flow.ssthresh == pytest.approx(70.0)
+
+
 def test_a_lost_tail_waits_for_the_probe_and_a_lost_probe_for_the_timeout():
     """A lone segment lost: the probe fires at the RTO (one segment outstanding); the probe lost
     too: one more RTO. The last of 8 lost: the probe's timer restarts when the other 7 are
@@ -55,10 +64,12 @@ def test_a_lost_tail_waits_for_the_probe_and_a_lost_probe_for_the_timeout():
 
 @pytest.mark.parametrize("loss", [0.01, 0.02])
 def test_a_bulk_flow_settles_near_the_loss_limited_rate(loss):
-    """10 MB over an 80 Mbit/s + 100 ms round trip link: within 25% of Mathis et al.'s
-    ``MSS / RTT x sqrt(3 / 2p)`` (1.4 Mbit/s at 1%), whatever the link's rate."""
+    """10 MB over an 80 Mbit/s + 100 ms round trip link, after 10 MB that let the window settle
+    from its warm start: within 25% of Mathis et al.'s ``MSS / RTT x sqrt(3 / 2p)`` (1.4 Mbit/s
+    at 1%), whatever the link's rate."""
     flow = TcpFlow(loss, LATENCY_S, SEGMENT_S, seed=1)
     segments = 10_000_000 // 1448
+    flow.send(segments)
     rate = 8 * 1448 * segments / flow.send(segments)
     mathis = 8 * 1448 / (2 * LATENCY_S) * math.sqrt(1.5 / loss)
     assert rate == pytest.approx(mathis, rel=0.25)

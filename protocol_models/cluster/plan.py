@@ -142,6 +142,7 @@ from protocol_models.wire.async_schedule import (
     stage_depths,
 )
 from protocol_models.wire.link import (
+    READY_NOTICE_BYTES,
     rendezvous_period,
     segment_seconds,
     serialization_seconds,
@@ -488,7 +489,7 @@ def predict_step(
         if transport.prepost_receives or config.hardware.device == "cuda":  # NCCL: sender-driven
             terms["bytes_s"] += (n_mb - 1) * max([0.0, *(w - slowest for w in wires)])
             return
-        periods = [rendezvous_period(w + link.latency_s, link.latency_s, t)
+        periods = [rendezvous_period(w + link.latency_s, link.latency_s + notice_seconds(link), t)
                    for w, link, t in zip(wires, path, stage_seconds[1:], strict=True)]  # fmt: skip
         # the rest of the rendezvous stall counts as latency
         terms["latency_s"] += (n_mb - 1) * max([0.0, *(p - slowest for p in periods)])
@@ -531,6 +532,11 @@ def loss_seconds(nbytes: int, link: Link, replicas: int) -> float:
     the link's rate."""
     return expected_extra_s(tcp_segments(nbytes), link.loss, link.latency_s,
                             segment_seconds(link.bps / replicas))  # fmt: skip
+
+
+def notice_seconds(link: Link) -> float:
+    """Mean seconds ``link.loss`` adds to a receive's ready notice (gloo's rendezvous)."""
+    return loss_seconds(READY_NOTICE_BYTES, link, replicas=1)
 
 
 def message_seconds(nbytes: int, link: Link, replicas: int) -> float:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
 from protocol_models.tools.errors import require
 from protocol_models.tools.ranges import AT_LEAST_0, Range, Ranges
@@ -208,7 +209,8 @@ class SimulatedLink:
         self.wire_free: dict[tuple[str, int], float] = {}
         self.flows: dict[tuple[str, int], TcpFlow] = {}
         """The TCP connection of each inbound direction, and of each ready notice's way back
-        (``"notice"``), under ``packet_loss``."""
+        (``"<direction> notice"``), under ``packet_loss``."""
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.collective_flow = TcpFlow(
             settings.packet_loss, settings.max_latency_s(), segment_seconds(math.inf), seed=0
         )
@@ -217,7 +219,9 @@ class SimulatedLink:
         self.wait_s = 0.0
         self.wire_s = 0.0
         self.loss_s = 0.0
-        """What ``packet_loss`` added to the messages, ready notices and collectives."""
+        """What ``packet_loss`` added: to the messages (also in ``wire_s``), to the ready
+        notices (a delay only where a receive was posted late) and to the collectives (also in
+        ``collective_s``)."""
         self.collective_s = 0.0
         self.log: list[Delivery] = []
 
@@ -227,15 +231,16 @@ class SimulatedLink:
         self.log.clear()
 
     def _flow(self, key: tuple[str, int]) -> TcpFlow:
-        """The TCP connection ``key`` (direction or ``"notice"``, boundary), made on first use,
-        seeded by its key."""
+        """The TCP connection ``key`` (direction or ``"<direction> notice"``, boundary) into this
+        rank, made on first use, seeded by its key and this rank (every connection of the run
+        loses packets of its own)."""
         if key not in self.flows:
             boundary = key[1]
             self.flows[key] = TcpFlow(
                 self.settings.packet_loss,
                 self.settings.latency_s(boundary),
                 segment_seconds(self.settings.bandwidth_bps(boundary)),
-                seed=zlib.crc32(repr(key).encode()),
+                seed=zlib.crc32(repr((key, self.rank)).encode()),
             )
         return self.flows[key]
 
@@ -267,7 +272,7 @@ class SimulatedLink:
         key = (direction, boundary)
         hold = serialization_seconds(nbytes, self.settings.bandwidth_bps(boundary))
         hold += self._loss_extra(key, nbytes)  # the message holds its connection while it heals
-        posted_at += self._loss_extra(("notice", boundary), READY_NOTICE_BYTES)
+        posted_at += self._loss_extra((f"{direction} notice", boundary), READY_NOTICE_BYTES)
         available, left = arrival(sent_at, posted_at, self.wire_free.get(key, 0.0), hold, latency)
         self.wire_free[key] = left
         self.wire_s += hold + latency

@@ -8,22 +8,24 @@ queue's drops), Linux's TCP (CUBIC, SACK, RACK and tail-loss probes, no slow sta
 ``wire.transport.tcp_fixes`` recommends) pays in three ways, which ``TcpFlow`` plays out round
 trip by round trip:
 
-* the window: each round trip with a loss multiplies the congestion window by ``BETA`` (CUBIC's
-  0.7); a round trip without one grows it by ``ALPHA`` = 3 (1 - BETA) / (1 + BETA) ~ 0.53
-  segments (CUBIC's Reno-friendly region, which governs at windows of tens of segments and round
-  trips of ~100 ms), and only when the window limited the sender (Linux's congestion window
-  validation: a sender with nothing more to send does not grow it; before the first loss, slow
-  start doubles it up to twice what is in flight). Below the bandwidth-delay
-  product a message of ``n`` segments takes ``n / W`` round trips: a bulk flow settles near
-  ``sqrt(3 / (2 p))`` segments per round trip (Mathis et al., 1997), ~1.4 Mbit/s at 1% loss and
-  a 100 ms round trip, whatever the link's rate;
+* the window: each round trip that loses new data multiplies the congestion window by ``BETA``
+  (CUBIC's 0.7; a lost resend belongs to the episode it repairs); a round trip without a loss
+  grows it by ``ALPHA`` = 3 (1 - BETA) / (1 + BETA) ~ 0.53 segments (CUBIC's Reno-friendly
+  region, which governs at windows of tens of segments and round trips of ~100 ms), and only
+  when the window limited the sender (Linux's congestion window validation: a sender with
+  nothing more to send does not grow it; in slow start it doubles up to twice what is in
+  flight). The connection starts warm, at twice the bandwidth-delay product, as the lossless
+  link model assumes. Below the bandwidth-delay product a message of ``n`` segments takes
+  ``n / W`` round trips: a bulk flow settles near ``sqrt(3 / (2 p))`` segments per round trip
+  (Mathis et al., 1997), ~1.4 Mbit/s at 1% loss and a 100 ms round trip, whatever the link's
+  rate;
 * recovery: a lost segment with a later one delivered is found by SACK and sent again one round
   trip later; a lost tail (nothing after it delivered) waits for the tail-loss probe
   (``probe_timeout``: two round trips, or the retransmission timeout when one segment is
   outstanding), timed from the last ACK of the segments delivered before it;
 * timeouts: a lost probe or resend waits for the retransmission timeout (``rto_s``: the round
   trip plus Linux's 200 ms floor), doubled at each repeat, and starts the window again at one
-  segment (then slow start up to 0.7 of the window before).
+  segment (then slow start up to 0.7 of the window before the loss).
 
 ACKs are taken as never lost (a later cumulative ACK covers a lost one), and every segment as
 full-sized. The flow is seeded: a simulated run repeats. ``expected_extra_s`` is the planner's
@@ -32,6 +34,7 @@ figure, the mean over a seeded sequence of messages of one size.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
@@ -46,6 +49,10 @@ RTO_FLOOR_S = 0.2
 """Linux's minimum retransmission timeout (``TCP_RTO_MIN``), added to the smoothed round trip."""
 MAX_BACKOFF = 64
 """The largest factor successive timeouts multiply the retransmission timeout by, here."""
+MAX_WINDOW = 1e6
+"""Window cap, segments, where the link's rate is unlimited."""
+LOSSES_TO_AVERAGE = 2000
+"""``expected_extra_s`` plays out enough messages to lose about this many segments."""
 
 
 class TcpFlow:
@@ -58,12 +65,14 @@ class TcpFlow:
         self.latency_s = latency_s
         self.rtt_s = 2 * latency_s
         self.segment_s = segment_s
-        self.cwnd = float(INITIAL_WINDOW)
-        self.ssthresh = math.inf
         bdp = self.rtt_s / segment_s if segment_s > 0 else math.inf
-        self.max_cwnd = max(2 * bdp, INITIAL_WINDOW)
+        self.max_cwnd = min(max(2 * bdp, INITIAL_WINDOW), MAX_WINDOW)
         """Window cap: twice the bandwidth-delay product (the socket buffers ``tcp_fixes``
         asks for); beyond one product the link's rate limits the sender anyway."""
+        self.cwnd = self.max_cwnd
+        """The connection starts warm, as the lossless link model assumes (slow start after
+        idle off, its first messages long past): only loss shrinks it."""
+        self.ssthresh = math.inf
         self.random = random.Random(seed)
 
     @property
@@ -94,7 +103,8 @@ class TcpFlow:
         self.cwnd = self.ssthresh
 
     def _timeout(self) -> None:
-        self.ssthresh = max(2.0, BETA * self.cwnd)
+        """The window restarts at one segment; the slow-start threshold stays where the loss
+        episode set it (Linux does not cut it again for a timeout inside an episode)."""
         self.cwnd = 1.0
 
     def send(self, segments: int) -> float:
@@ -107,6 +117,7 @@ class TcpFlow:
             sent = min(window, new + resend)
             retransmitted = min(resend, sent)
             resend, new = resend - retransmitted, new - (sent - retransmitted)
+            unsent = new + resend  # goes out in later rounds (and reveals a loss before it)
             lost = [self._lost() for _ in range(sent)]
             serialize = sent * self.segment_s
             if not any(lost):
@@ -116,15 +127,16 @@ class TcpFlow:
                     return t + serialize + self.latency_s
                 t += max(serialize, self.rtt_s)
                 continue
-            resend += sum(lost)
-            if not recovering:
+            gone = sum(lost)
+            resend += gone
+            if not recovering or retransmitted < sent:  # new data lost: a new loss episode
                 self._reduce()
-                recovering = True
-            if new > 0 or not all(lost[lost.index(True) :]):  # a later segment reveals it
+            recovering = True
+            if unsent > 0 or not all(lost[lost.index(True) :]):  # a later segment reveals it
                 t += max(serialize, self.rtt_s)
                 continue
-            acked = sent > resend  # the probe's timer restarts at the delivered ones' ACKs
-            t += serialize + (self.rtt_s if acked else 0.0) + self.probe_timeout(resend)
+            acked = gone < sent  # the probe's timer restarts at the delivered ones' ACKs
+            t += serialize + (self.rtt_s if acked else 0.0) + self.probe_timeout(gone)
             while self._lost():  # the probe (or the resend after a timeout) is lost as well
                 t += self.rto_s * backoff
                 backoff = min(2 * backoff, MAX_BACKOFF)
@@ -139,14 +151,15 @@ class TcpFlow:
         return max(0.0, self.send(segments) - segments * self.segment_s - self.latency_s)
 
 
-def expected_extra_s(
-    segments: int, loss: float, latency_s: float, segment_s: float, messages: int = 400
-) -> float:
+@functools.lru_cache(maxsize=1024)
+def expected_extra_s(segments: int, loss: float, latency_s: float, segment_s: float) -> float:
     """Mean seconds ``loss`` adds to a message of ``segments`` segments on a connection that
-    carries messages of that size one after another (``messages`` of them, seeded; the first
-    quarter, the window's warm-up, not counted). 0 without loss."""
+    carries messages of that size one after another: seeded, over enough messages to lose about
+    ``LOSSES_TO_AVERAGE`` segments (at least 400, at most 20,000), the first quarter (the
+    window settling) not counted. 0 without loss."""
     if loss <= 0:
         return 0.0
+    messages = min(20_000, max(400, math.ceil(LOSSES_TO_AVERAGE / (loss * segments))))
     flow = TcpFlow(loss, latency_s, segment_s)
     extras = [flow.extra_s(segments) for _ in range(messages)]
     return statistics.fmean(extras[messages // 4 :])
