@@ -34,7 +34,11 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
 * the token trend: 300, 1,200 and 2,400 steps (warm-up and the validation and checkpoint
   intervals scaled with the budget; the 2,400-step pair is the dense twin and ``projected``
   with stage tables). 1,200 steps of 2,048 tokens read the bundled training text
-  (~1.6M tokens) ~1.5 times, 2,400 steps ~3 times.
+  (~1.6M tokens) ~1.5 times, 2,400 steps ~3 times;
+* the token trend where no text repeats: the dense twin, today's mode and ``projected`` with
+  stage tables at 300 and 1,000 steps on the State of the Union addresses
+  (``recipes.common.speeches``, 2.11M training tokens): a gap that widens here is not the dense
+  twin memorising repeated text.
 
 The dense twins and today's subspace arms at 300 and 1,200 steps are the scale study's runs
 (``results/scale/results.json``, the same overrides), read from there and never retrained.
@@ -61,6 +65,7 @@ from recipes.common import (
     repo_relative,
     seed_cells,
     seed_gaps,
+    speeches,
     study_main,
     train_cached,
     validation_curve,
@@ -76,6 +81,11 @@ SCALE = REPO / "results" / "scale" / "results.json"
 SEEDS = (0, 1)
 REFERENCE_STAGES = 4
 REFERENCE_STEPS = 300
+SPEECHES_STEPS = 1000
+"""The speeches' long budget: 1,000 steps of 2,048 tokens read 2.05M of its 2.11M training
+tokens, none twice."""
+CORPORA = {"shakespeare": [], "speeches": speeches.OVERRIDES}
+"""Each corpus's overrides of the reference workload."""
 
 
 @dataclass(frozen=True)
@@ -95,28 +105,37 @@ class Arm:
     ``dense``: the tables' fair twin)."""
     writer_lr_scale: float = 1.0
     """``[optimizer] writer_lr_scale``: Muon's step on the upstream writers (twin included)."""
+    corpus: str = "shakespeare"
+    """``shakespeare`` (the reference's bundled text) or ``speeches`` (``recipes.common.speeches``,
+    which no run of ``SPEECHES_STEPS`` or fewer reads twice)."""
     scale_name: str | None = None
     """The scale study's name of this arm, whose runs it reads instead of training."""
+
+    def __post_init__(self) -> None:
+        if self.corpus not in CORPORA:
+            raise ValueError(f"corpus = {self.corpus!r}: one of {sorted(CORPORA)}")
 
     @property
     def name(self) -> str:
         step = f" writer step x{self.writer_lr_scale:g}" if self.writer_lr_scale != 1 else ""
+        corpus = f" on {self.corpus}" if self.corpus != "shakespeare" else ""
+        budget = f"{corpus} {self.steps} steps"
         if self.method == "dense":
             what = "dense, frozen embedding" if self.frozen_embedding else "dense"
             tables = " + stage tables" if self.stage_tables else ""
-            return f"{what}{tables}{step} {self.steps} steps"
+            return f"{what}{tables}{step}{budget}"
         bits = f" {self.bits}-bit" if self.bits else ""
         tables = " + stage tables" if self.stage_tables else ""
         layers = 8 // self.stages
-        return (f"{self.method} k={self.k}{bits}{tables}{step} {self.stages}x{layers} "
-                f"{self.steps} steps")  # fmt: skip
+        return f"{self.method} k={self.k}{bits}{tables}{step} {self.stages}x{layers}{budget}"
 
     @property
     def twin(self) -> Arm:
         """The fair dense twin: the same steps, seeds and writer step, every block
         unconstrained."""
-        if self.writer_lr_scale != 1:
-            return Arm("dense", steps=self.steps, writer_lr_scale=self.writer_lr_scale)
+        if self.writer_lr_scale != 1 or self.corpus != "shakespeare":
+            return Arm("dense", steps=self.steps, writer_lr_scale=self.writer_lr_scale,
+                       corpus=self.corpus)  # fmt: skip
         return dense(self.steps)
 
     def overrides(self, seed: int) -> list[str]:
@@ -139,7 +158,8 @@ class Arm:
         step = (["--optimizer.writer_lr_scale", f"{self.writer_lr_scale:g}"]
                 if self.writer_lr_scale != 1 else [])  # fmt: skip
         return [*budget, *checkpoints, *method, *width, *bits, *layout, *frozen, *tables, *step,
-                "--optimizer.name", "muon", "--debug.seed", str(seed)]  # fmt: skip
+                *CORPORA[self.corpus], "--optimizer.name", "muon",
+                "--debug.seed", str(seed)]  # fmt: skip
 
 
 def dense(steps: int) -> Arm:
@@ -166,12 +186,16 @@ PHASES: list[list[Arm]] = [
     [replace(SAME_BYTES[0], steps=1200), replace(SAME_BYTES[1], steps=1200),
      Arm("dense", steps=1200, frozen_embedding=True)],
     [Arm("subspace", steps=1200, writer_lr_scale=2), Arm("dense", steps=1200, writer_lr_scale=2)],
+    [Arm(method, steps=steps, stage_tables=tables, corpus="speeches")
+     for steps in (REFERENCE_STEPS, SPEECHES_STEPS)
+     for method, tables in (("dense", False), ("subspace", False), ("projected", True))],
     [dense(2400), replace(SAME_BYTES[2], steps=2400)],
 ]  # fmt: skip
 """The order the study trains in: the best configurations at 1,200 steps (the acceptance
 budget), the dense twin given the same stage tables (what the tables' capacity is worth without
 the projection), the 300-step points of every same-bytes arm (does the gap widen?), the 2-stage
 layout, the single levers and the token-table diagnostic at 1,200 steps, the step-size arm, the
+token trend on the speeches (dense, today's mode and the best lever at 300 and 1,000 steps), the
 2,400-step pair. Within a phase every arm's first seed trains before any second one; the next
 phase's runs start as slots free up."""
 ARMS = [a for phase in PHASES for a in phase]
@@ -227,6 +251,8 @@ def run_study(names: set[str] | None = None) -> None:
     jobs = [(a, s) for phase in PHASES for s in SEEDS for a in phase
             if names is None or a.name in names
             if str(s) not in results["runs"].get(a.name, {}).get("seeds", {})]  # fmt: skip
+    if any(arm.corpus == "speeches" for arm, _ in jobs):
+        speeches.prepare(REPO / speeches.DEFAULT_CACHE)
 
     def one(job):
         arm, seed = job
@@ -271,10 +297,10 @@ def render_table(results: dict) -> str:
             f"| {losses} | {gap} | {wall:.0f} |"
         )
     lines += ["", "Does the gap widen with tokens (percentage points from 300 to 1,200 steps, "
-              "per seed)?", ""]  # fmt: skip
+              "on the speeches to 1,000, per seed)?", ""]  # fmt: skip
     for short in [a for a in ARMS if a.steps == REFERENCE_STEPS and a.method != "dense"
                   and a.stages == REFERENCE_STAGES]:  # fmt: skip
-        long = replace(short, steps=1200)
+        long = replace(short, steps=1200 if short.corpus == "shakespeare" else SPEECHES_STEPS)
         a, b = gaps(results, short), gaps(results, long)
         change = ", ".join(f"{y - x:+.2f}" for x, y in zip(a, b, strict=True)) if a and b else (
             "pending")  # fmt: skip
@@ -307,13 +333,14 @@ def plot(results: dict) -> None:
         means = [statistics.fmean(g) for _, g in points]
         spread = [[m - min(g) for m, (_, g) in zip(means, points, strict=True)],
                   [max(g) - m for m, (_, g) in zip(means, points, strict=True)]]  # fmt: skip
-        axis.errorbar(steps, means, yerr=spread, marker="o", capsize=4, label=label)
+        style = "--" if arms[0].corpus != "shakespeare" else "-"
+        axis.errorbar(steps, means, yerr=spread, marker="o", ls=style, capsize=4, label=label)
     axis.axhline(0, color="grey", lw=0.8)
     axis.axhline(1.0, color="grey", lw=0.8, ls="--")
     axis.set(xscale="log", xlabel="training steps (d = 256, 4 stages x 2 blocks)",
              ylabel="gap vs dense twin (%)",
-             title="Same-bytes levers (2 seeds, range)")  # fmt: skip
-    axis.set_xticks([300, 1200, 2400], ["300", "1200", "2400"])
+             title="Same-bytes levers (2 seeds, range; dashed: the speeches)")  # fmt: skip
+    axis.set_xticks([300, 1000, 1200, 2400], ["300", "1000", "1200", "2400"])
     axis.set_xticks([], minor=True)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)

@@ -39,16 +39,13 @@ def prepare(cache: Path = DEFAULT_CACHE) -> Path:
     cache = Path(cache)
     if (cache / "tokenizer" / "tokenizer.json").is_file():
         return cache
-    cache.mkdir(parents=True, exist_ok=True)
     texts = _download_texts()
     train, validation = [], []
     for name in sorted(texts):
-        docs = _documents(texts[name], name)
+        paragraphs = [p.strip() for p in texts[name].replace("\r\n", "\n").split("\n\n")]
+        docs = pack([p for p in paragraphs if p], name, "\n\n")
         (validation if name in VALIDATION_TEXTS else train).extend(docs)
-    random.Random(SHUFFLE_SEED).shuffle(train)
-    _write_jsonl(cache / "train.jsonl", train)
-    _write_jsonl(cache / "validation.jsonl", validation)
-    _train_tokenizer([d["text"] for d in train], cache / "tokenizer")
+    write_splits(cache, train, validation)
     return cache
 
 
@@ -82,18 +79,29 @@ def _download_texts() -> dict[str, str]:
     return texts
 
 
-def _documents(text: str, source: str) -> list[dict[str, str]]:
-    """Whole paragraphs packed greedily into documents of about ``DOC_CHARS`` characters."""
-    paragraphs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n") if p.strip()]
+def pack(units: list[str], source: str, separator: str) -> list[dict[str, str]]:
+    """Whole units (paragraphs, sentences) joined by ``separator`` and packed greedily into
+    documents of about ``DOC_CHARS`` characters (a unit longer than that is one document)."""
     docs, current = [], ""
-    for paragraph in paragraphs:
-        if current and len(current) + len(paragraph) > DOC_CHARS:
+    for unit in units:
+        if current and len(current) + len(unit) > DOC_CHARS:
             docs.append(current)
             current = ""
-        current = f"{current}\n\n{paragraph}" if current else paragraph
+        current = f"{current}{separator}{unit}" if current else unit
     if current:
         docs.append(current)
     return [{"text": d, "source": source} for d in docs]
+
+
+def write_splits(cache: Path, train: list[dict], validation: list[dict]) -> None:
+    """Shuffle the training documents with ``SHUFFLE_SEED`` (one token order for every run),
+    write both splits as JSONL under ``cache`` and train the tokenizer on the training split;
+    the tokenizer is written last, so its presence marks a finished preparation."""
+    cache.mkdir(parents=True, exist_ok=True)
+    random.Random(SHUFFLE_SEED).shuffle(train)
+    _write_jsonl(cache / "train.jsonl", train)
+    _write_jsonl(cache / "validation.jsonl", validation)
+    _train_tokenizer([d["text"] for d in train], cache / "tokenizer")
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
