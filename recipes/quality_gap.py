@@ -40,6 +40,10 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
   (``recipes.common.speeches``, 2.11M training tokens): a gap that widens here is not the dense
   twin memorising repeated text.
 
+The report ends with time to today's loss at the production shapes, predicted: the steps each
+lever's 1,200-step arm took to reach today's mode's final loss, times the planner's tokens/s of
+the 2B and 8B configs with the lever's settings (``LEVERS_AT_SCALE``).
+
 The dense twins and today's subspace arms at 300 and 1,200 steps are the scale study's runs
 (``results/scale/results.json``, the same overrides), read from there and never retrained.
 
@@ -56,6 +60,7 @@ import statistics
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from recipes.common import (
     PARALLEL_RUNS,
@@ -66,6 +71,7 @@ from recipes.common import (
     seed_cells,
     seed_gaps,
     speeches,
+    steps_to_reach,
     study_main,
     train_cached,
     validation_curve,
@@ -308,10 +314,85 @@ def render_table(results: dict) -> str:
     trained = [e for row in results["runs"].values() if "source" not in row
                for e in row["seeds"].values()]  # fmt: skip
     hours = sum(e["wall_s"] for e in trained) / 3600
+    lines.append(render_time_to_target(results))
     lines += ["", f"This study trained {len(trained)} runs so far ({hours:.1f} h of wall time, "
               "one process on one core each); the rows marked (scale study) are that study's "
               "runs, read from results/scale/results.json."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+PRODUCTION = {"2B": REPO / "configs" / "llama3_2b_protocol.toml",
+              "8B": REPO / "configs" / "llama3_8b_protocol.toml"}  # fmt: skip
+LEVERS_AT_SCALE = [
+    (replace(SAME_BYTES[0], steps=1200), "k = 79 in 8 bits (the planner's --ratio 100)",
+     ["--protocol.k", "79"]),
+    (replace(SAME_BYTES[1], steps=1200), "projected", ["--protocol.mode", "projected"]),
+    (replace(SAME_BYTES[2], steps=1200), "projected + stage tables",
+     ["--protocol.mode", "projected", "--protocol.stage_tables", "true"]),
+]  # fmt: skip
+"""Each lever's 1,200-step arm and its form in the production configs (k = 40 in 8 bits,
+subspace: today's mode)."""
+
+
+def token_fraction(results: dict, arm: Arm) -> list[float] | None:
+    """Per seed, the steps ``arm`` takes to reach today's mode's final loss at the same budget,
+    over that budget (interpolated between validations; an upper bound, since the arm's
+    learning rate has not decayed there)."""
+    runs = results["runs"]
+    today_row, row = runs.get(today(arm.steps).name), runs.get(arm.name)
+    if not (today_row and row and all(str(s) in row["seeds"] for s in SEEDS)):
+        return None
+    fractions = []
+    for seed in map(str, SEEDS):
+        target = today_row["seeds"][seed]["final_val_loss"]
+        fractions.append(steps_to_reach(row["seeds"][seed]["val_curve"], target) / arm.steps)
+    return fractions
+
+
+def planned(toml: Path, overrides: list[str]) -> tuple[float, bool, int]:
+    """The planner's tokens/s of a production config on its stated link (MFU 0.4), whether
+    every stage fits, and the most blocks a stage holds."""
+    from protocol_models.cluster.network import Link, boundary_links
+    from protocol_models.cluster.plan import plan_stages, predict_step
+    from protocol_models.config.run_config import load_config
+
+    config = load_config(str(toml), overrides, check_environment=False)
+    link = Link(config.transport.link_mbps, config.transport.link_latency_ms)
+    plans = plan_stages(config)
+    step = predict_step(config, plans, boundary_links(config, link), 0.4)
+    limit = config.hardware.usable_memory_gib * 2**30
+    fits = all(p.total_bytes <= limit for p in plans)
+    return step["tokens_per_s"], fits, max(len(p.layers) for p in plans)
+
+
+def render_time_to_target(results: dict) -> str:
+    """Time to today's loss at the production shapes, predicted: the tokens each lever needed at
+    d = 256 times the planner's step at 2B and 8B."""
+    lines = ["", "Time to today's mode's loss at the production shapes, predicted (d = 256 token "
+             "fraction x the planner's tokens/s on each config's 80 Mbit/s + 50 ms link, MFU "
+             "0.4; below 1: sooner than today's k = 40 in 8 bits; the projection's fractions "
+             "come from 2 blocks per stage and are not carried to a layout of one):", "",
+             "| lever | tokens to today's 1,200-step loss (seed 0 / 1) | 2B tokens/s | 2B time "
+             "| 8B tokens/s | 8B time |", "|---|---|---|---|---|---|"]  # fmt: skip
+    base = {name: planned(toml, [])[0] for name, toml in PRODUCTION.items()}
+    for arm, label, overrides in LEVERS_AT_SCALE:
+        fractions = token_fraction(results, arm)
+        if fractions is None:
+            lines.append(f"| {label} | pending | | | | |")
+            continue
+        cells = [f"| {label} | {' / '.join(f'{f:.2f}' for f in fractions)}"]
+        for name, toml in PRODUCTION.items():
+            tokens_per_s, fits, blocks = planned(toml, overrides)
+            time = f"{statistics.fmean(fractions) * base[name] / tokens_per_s:.2f}"
+            if not fits:
+                time = "does not fit"
+            elif blocks == 1 and arm.method == "projected":
+                time = "one block per stage"
+            cells.append(f"{tokens_per_s:,.0f} | {time}")
+        lines.append(" | ".join(cells) + " |")
+    lines.append(f"| today's mode, k = 40 in 8 bits | 1 | {base['2B']:,.0f} | 1 "
+                 f"| {base['8B']:,.0f} | 1 |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def plot(results: dict) -> None:

@@ -364,6 +364,30 @@ def test_the_planner_needs_a_config(capsys):
     assert line.startswith("error: the planner needs --toml FILE")
 
 
+def test_ratio_chooses_the_widest_8_bit_wire(capsys):
+    """``--ratio 100`` on the 8B (d = 4096 in bf16: 8,192 bytes per token and direction dense):
+    k 8-bit codes and a 2-byte scale, k + 2 <= 81.92, so k = 79; exact bf16 coordinates,
+    2 k <= 81.92, k = 40; the plan is k = 79's. A dense config, a ratio no k reaches and a
+    ratio of at most 1 are refused in one line each."""
+    toml = str(REPO / "configs/llama3_8b_protocol.toml")
+    assert plan_main(["--toml", toml, "--ratio", "100"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--ratio 100: k = 79 in 8 bits, 81 bytes per token and direction "
+                          "(101.1x); exact coordinates would carry k = 40 at this ratio")  # fmt: skip
+    assert "dense -> 101.1x" in out
+    refusals = [
+        (["--toml", str(REPO / "configs/llama3_8b_dense.toml"), "--ratio", "100"],
+         "error: --ratio 100: chooses k for the subspace and projected modes"),
+        (["--toml", toml, "--ratio", "5000"],
+         "error: --ratio 5000: even k = 1 in 8 bits compresses only 2730.7x here"),
+        (["--toml", toml, "--ratio", "1"], "error: --ratio 1: the compression against dense"),
+    ]  # fmt: skip
+    for argv, start in refusals:
+        assert plan_main(argv) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(start), line
+
+
 def test_two_region_plan_prices_the_crossing_boundary_and_the_run(capsys):
     """The 2B on 8 L4s in 2 regions of 4 nodes: only boundary 3 crosses the 80 Mbit/s + 50 ms
     link, so the fill and drain's latency is 2 x (50 ms + 6 x 0.5 ms); the report prints the

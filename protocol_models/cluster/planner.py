@@ -2,7 +2,7 @@
 
     python -m protocol_models.plan --toml FILE [--regions N,N,..] [--bandwidth-mbps B]
         [--latency-ms L] [--packet-loss P] [--region-bandwidth-mbps B] [--region-latency-ms L]
-        [--mfu F] [--propose-split] [overrides]
+        [--mfu F] [--propose-split] [--ratio R] [overrides]
 
 Prints, from the cost model (``cluster.plan``) on the cluster's network (``cluster.network``):
 the layout and per stage its parameters, memory terms, fit and compute; the wire bytes per
@@ -12,6 +12,12 @@ GPU-hours and tokens; then the advice (``cluster.advice``): how the run's length
 assumed MFU, a flag for a lopsided stage, a layout giving more tokens per GPU-hour, the disk
 each node needs for its checkpoints, and, where a stage does not fit, the remedies ranked by
 the memory they leave. Exits 1 if a stage does not fit, 2 on bad input.
+
+``--ratio R`` chooses k for a requested compression (``subspace`` and ``projected`` modes): the
+widest wire whose 8-bit coordinates are at least R times fewer boundary bytes than dense, since
+at the same bytes the wider 8-bit wire trained better than the exact one (the quality-gap
+study); the plan is then that config's, and the line before it names the k exact coordinates
+would carry at the same ratio.
 
 The slow link between regions is ``--bandwidth-mbps``/``--latency-ms``, else the config's
 ``[transport] link_mbps``/``link_latency_ms``, losing ``--packet-loss`` (else ``[transport]
@@ -330,7 +336,58 @@ def _parser() -> argparse.ArgumentParser:
                         f"{ASSUMED_PEAK_TFLOPS:g}; default 0.4)")  # fmt: skip
     parser.add_argument("--propose-split", action="store_true",
                         help="print the balanced layers_per_stage")  # fmt: skip
+    parser.add_argument("--ratio", type=float, default=None,
+                        help="choose k: the widest 8-bit wire with at least this many times "
+                        "fewer boundary bytes than dense, e.g. 100")  # fmt: skip
     return parser
+
+
+WIDE_BITS = 8
+"""The precision ``--ratio`` buys width with: at the same bytes, k = 30 in 8 bits trained better
+than k = 8 exact (d = 256, 2 seeds), and 4 or 2 bits at twice or four times the k worse than
+8 bits (the frontier study)."""
+
+
+def widest_wire(variant, dim: int, ratio: float, bits: int) -> tuple[int, object] | None:
+    """The largest k in [1, ``dim``] whose wire with ``bits``-bit coordinates (0: exact) is at
+    least ``ratio`` times smaller than dense, with its config (``variant(overrides)``); None
+    when even k = 1 is not. The wire's bytes grow with k, so a bisection finds it."""
+    best, low, high = None, 1, dim
+    while low <= high:
+        k = (low + high) // 2
+        config = variant(["--protocol.k", str(k), "--codec.bits", str(bits)])
+        if wire_plan(config)["ratio"] >= ratio:
+            best, low = (k, config), k + 1
+        else:
+            high = k - 1
+    return best
+
+
+def choose_k(config, variant, ratio: float) -> tuple[object, list[str], str]:
+    """``--ratio``: the config with the widest ``WIDE_BITS``-bit wire at ``ratio``, its
+    overrides and the line that reports the choice."""
+    mode = config.protocol.mode
+    if mode not in ("subspace", "projected"):
+        raise UserError(f"--ratio {ratio:g}: chooses k for the subspace and projected modes, "
+                        f"whose wire is k coordinates; this config's mode is {mode!r}")  # fmt: skip
+    if ratio <= 1:
+        raise UserError(f"--ratio {ratio:g}: the compression against dense, greater than 1")
+    chosen = widest_wire(variant, config.model.dim, ratio, WIDE_BITS)
+    if chosen is None:
+        least = wire_plan(variant(["--protocol.k", "1", "--codec.bits", str(WIDE_BITS)]))
+        raise UserError(f"--ratio {ratio:g}: even k = 1 in {WIDE_BITS} bits compresses only "
+                        f"{least['ratio']:.1f}x here")  # fmt: skip
+    k, wide = chosen
+    exact = widest_wire(variant, config.model.dim, ratio, 0)
+    wire = wire_plan(wide)
+    _, _, tokens = microbatching(wide)
+    same = f"exact coordinates would carry k = {exact[0]}" if exact else (
+        "no exact wire is this small")  # fmt: skip
+    line = (f"--ratio {ratio:g}: k = {k} in {WIDE_BITS} bits, {wire['message_bytes'] / tokens:g} "
+            f"bytes per token and direction ({wire['ratio']:.1f}x); {same} at this ratio (at "
+            "the same bytes the wider 8-bit wire trained better: results/README.md, the "
+            "quality gap at the same bytes)")  # fmt: skip
+    return wide, ["--protocol.k", str(k), "--codec.bits", str(WIDE_BITS)], line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                      else known.region_latency_ms, crosses=False)  # fmt: skip
         regions = parse_regions(known.regions) if known.regions else None
 
+        def variant(extra: list[str]):
+            return load_config(toml_path, [*overrides, *extra], check_environment=False)
+
         def links_for(c) -> list[Link]:
             """``c``'s boundaries; a changed layout keeps the regions' count of crossings."""
             if c is config or regions is None:
@@ -371,13 +431,14 @@ def main(argv: list[str] | None = None) -> int:
             crossings = min(len(regions), c.layout_stages) - 1
             return [slow] * crossings + [local] * (c.layout_stages - 1 - crossings)
 
+        if known.ratio is not None:
+            config, chosen, ratio_line = choose_k(config, variant, known.ratio)
+            overrides.extend(chosen)
+            print(ratio_line)
         links = links_for(config)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    def variant(extra: list[str]):
-        return load_config(toml_path, [*overrides, *extra], check_environment=False)
 
     plans = plan_stages(config)
     predictions, async_refused = {}, None
