@@ -367,8 +367,8 @@ def test_the_planner_needs_a_config(capsys):
 def test_ratio_chooses_the_widest_8_bit_wire(capsys):
     """``--ratio 100`` on the 8B (d = 4096 in bf16: 8,192 bytes per token and direction dense):
     k 8-bit codes and a 2-byte scale, k + 2 <= 81.92, so k = 79; exact bf16 coordinates,
-    2 k <= 81.92, k = 40; the plan is k = 79's. A dense config, a ratio no k reaches and a
-    ratio of at most 1 are refused in one line each."""
+    2 k <= 81.92, k = 40; the plan is k = 79's. A dense config, a k given beside it, a ratio no
+    k reaches and a ratio of at most 1 are refused in one line each."""
     toml = str(REPO / "configs/llama3_8b_protocol.toml")
     assert plan_main(["--toml", toml, "--ratio", "100"]) == 0
     out = capsys.readouterr().out
@@ -377,7 +377,10 @@ def test_ratio_chooses_the_widest_8_bit_wire(capsys):
     assert "dense -> 101.1x" in out
     refusals = [
         (["--toml", str(REPO / "configs/llama3_8b_dense.toml"), "--ratio", "100"],
-         "error: --ratio 100: chooses k for the subspace and projected modes"),
+         "error: --ratio 100: chooses k for the modes whose wire is k quantizable coordinates "
+         "(subspace, projected)"),
+        (["--toml", toml, "--ratio", "100", "--protocol.k", "64"],
+         "error: --ratio 100 chooses k and the bits itself: drop --protocol.k"),
         (["--toml", toml, "--ratio", "5000"],
          "error: --ratio 5000: even k = 1 in 8 bits compresses only 2730.7x here"),
         (["--toml", toml, "--ratio", "1"], "error: --ratio 1: the compression against dense"),

@@ -66,10 +66,13 @@ from protocol_models.cluster.plan import (
     wire_plan,
 )
 from protocol_models.config.run_config import check_async, load_config, split_argv
-from protocol_models.model.boundary import label
+from protocol_models.model.boundary import BOUNDARIES, label
 from protocol_models.tools.errors import UserError
 from protocol_models.wire import codec_for
 from protocol_models.wire.transport import LOSSY_LINK
+
+DEFAULT_MFU = 0.4
+"""The fraction of the peak the planner assumes unless given ``--mfu``."""
 
 
 def mode_label(config) -> str:
@@ -331,27 +334,29 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"its latency (default {REGION_LATENCY_MS:g}, assumed)",
     )
-    parser.add_argument("--mfu", type=float, default=0.4,
+    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                         help=f"fraction of [hardware] peak_tflops (unset: "
-                        f"{ASSUMED_PEAK_TFLOPS:g}; default 0.4)")  # fmt: skip
+                        f"{ASSUMED_PEAK_TFLOPS:g}; default {DEFAULT_MFU:g})")  # fmt: skip
     parser.add_argument("--propose-split", action="store_true",
                         help="print the balanced layers_per_stage")  # fmt: skip
     parser.add_argument("--ratio", type=float, default=None,
                         help="choose k: the widest 8-bit wire with at least this many times "
-                        "fewer boundary bytes than dense, e.g. 100")  # fmt: skip
+                        "fewer boundary bytes than dense, e.g. 100 (sets --protocol.k and "
+                        "--codec.bits)")  # fmt: skip
     return parser
 
 
 WIDE_BITS = 8
 """The precision ``--ratio`` buys width with: at the same bytes, k = 30 in 8 bits trained better
-than k = 8 exact (d = 256, 2 seeds), and 4 or 2 bits at twice or four times the k worse than
-8 bits (the frontier study)."""
+than k = 8 exact (d = 256, 1,200 steps, 2 seeds); 4 bits at twice the k did not clearly help
+and 2 bits failed (the frontier study)."""
 
 
 def widest_wire(variant, dim: int, ratio: float, bits: int) -> tuple[int, object] | None:
-    """The largest k in [1, ``dim``] whose wire with ``bits``-bit coordinates (0: exact) is at
-    least ``ratio`` times smaller than dense, with its config (``variant(overrides)``); None
-    when even k = 1 is not. The wire's bytes grow with k, so a bisection finds it."""
+    """The largest k in [1, ``dim``] whose wire with ``bits``-bit coordinates (0: exact, or
+    ``WIDE_BITS``: every k is allowed at both) is at least ``ratio`` times smaller than dense,
+    with its config (``variant(overrides)``); None when even k = 1 is not. The wire's bytes
+    grow with k, so a bisection finds it."""
     best, low, high = None, 1, dim
     while low <= high:
         k = (low + high) // 2
@@ -363,13 +368,22 @@ def widest_wire(variant, dim: int, ratio: float, bits: int) -> tuple[int, object
     return best
 
 
-def choose_k(config, variant, ratio: float) -> tuple[object, list[str], str]:
+def choose_k(config, variant, ratio: float, overrides: list[str]) -> tuple[object, list[str], str]:
     """``--ratio``: the config with the widest ``WIDE_BITS``-bit wire at ``ratio``, its
-    overrides and the line that reports the choice."""
+    overrides and the line that reports the choice. It sets k and the bits itself, so
+    ``overrides`` that set either are refused."""
     mode = config.protocol.mode
-    if mode not in ("subspace", "projected"):
-        raise UserError(f"--ratio {ratio:g}: chooses k for the subspace and projected modes, "
-                        f"whose wire is k coordinates; this config's mode is {mode!r}")  # fmt: skip
+    method = BOUNDARIES.get(mode)
+    if method is None or not method.quantizable:
+        quantizable = [name for name, m in BOUNDARIES.items() if m.quantizable]
+        raise UserError(f"--ratio {ratio:g}: chooses k for the modes whose wire is k quantizable "
+                        f"coordinates ({', '.join(quantizable)}); this config's mode is "
+                        f"{mode!r}")  # fmt: skip
+    given = [key for key in ("--protocol.k", "--codec.bits")
+             if any(o == key or o.startswith(f"{key}=") for o in overrides)]  # fmt: skip
+    if given:
+        raise UserError(f"--ratio {ratio:g} chooses k and the bits itself: drop "
+                        f"{' and '.join(given)}, or drop --ratio")  # fmt: skip
     if ratio <= 1:
         raise UserError(f"--ratio {ratio:g}: the compression against dense, greater than 1")
     chosen = widest_wire(variant, config.model.dim, ratio, WIDE_BITS)
@@ -432,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             return [slow] * crossings + [local] * (c.layout_stages - 1 - crossings)
 
         if known.ratio is not None:
-            config, chosen, ratio_line = choose_k(config, variant, known.ratio)
+            config, chosen, ratio_line = choose_k(config, variant, known.ratio, overrides)
             overrides.extend(chosen)
             print(ratio_line)
         links = links_for(config)

