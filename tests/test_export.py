@@ -231,14 +231,17 @@ def test_bad_input_is_one_line_and_writes_nothing(checkpoint, tmp_path, capsys, 
         assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-@pytest.mark.parametrize("mode", ["resbm", "mapl"])
+@pytest.mark.parametrize("mode", ["resbm", "mapl", "projected"])
 def test_a_learned_boundary_checkpoint_is_refused_with_one_line(tmp_path, capsys, mode):
-    """ResBM's encoder and decoder, MAPL's projections and anchors have no place in a LLaMA:
-    one line, nothing written."""
+    """ResBM's encoder and decoder, MAPL's projections and anchors, the projection onto
+    F + span(U) have no place in a LLaMA: export and generate (through its temporary export)
+    answer one line and write nothing."""
     _, checkpoint = _synthetic(tmp_path, ["--protocol.mode", mode])
-    assert export.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]) == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and f"error: protocol.mode = {mode!r}" in lines[0], lines
+    for main, extra in ((export.main, ["--out", str(tmp_path / "hf")]),
+                        (generate.main, ["--prompt", "x"])):  # fmt: skip
+        assert main(["--checkpoint", str(checkpoint), *extra]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and f"error: protocol.mode = {mode!r}" in lines[0], lines
     assert not (tmp_path / "hf").exists()
 
 
