@@ -247,15 +247,30 @@ def measure(arm: Arm, seed: int) -> dict:
     over = arm.overrides(seed)
     folder = train_cached(over)
     curve = validation_curve(folder)
-    return {"run": repo_relative(folder), "overrides": over, "val_curve": curve,
-            "final_val_loss": curve[-1][1], "wall_s": wall_seconds(folder),
-            "launches": len(launch_seconds(folder))}  # fmt: skip
+    entry = {"run": repo_relative(folder), "overrides": over, "val_curve": curve,
+             "final_val_loss": curve[-1][1], "wall_s": wall_seconds(folder),
+             "launches": len(launch_seconds(folder))}  # fmt: skip
+    if arm.method == "projected":
+        entry["discarded_share"] = discarded_share(folder)
+    return entry
+
+
+def add_discarded_shares(results: dict) -> None:
+    """``discarded_share`` for the projected runs measured before it existed whose run folder
+    is still in the run cache."""
+    for arm in ARMS:
+        row = results["runs"].get(arm.name)
+        for entry in (row["seeds"].values() if row and arm.method == "projected" else ()):
+            if "discarded_share" not in entry and (REPO / entry["run"] / "checkpoint").is_dir():
+                entry["discarded_share"] = discarded_share(REPO / entry["run"])
 
 
 def run_study(names: set[str] | None = None) -> None:
     """Train every run results.json lacks, phase by phase, every arm's first seed before any
     second one (with ``names``, only those arms')."""
     results = load_results()
+    add_discarded_shares(results)
+    save(results)
     jobs = [(a, s) for phase in PHASES for s in SEEDS for a in phase
             if names is None or a.name in names
             if str(s) not in results["runs"].get(a.name, {}).get("seeds", {})]  # fmt: skip
@@ -319,6 +334,7 @@ def render_table(results: dict) -> str:
     trained = [e for row in results["runs"].values() if "source" not in row
                for e in row["seeds"].values()]  # fmt: skip
     hours = sum(e["wall_s"] for e in trained) / 3600
+    lines.append(render_discarded(results))
     lines.append(render_time_to_target(results))
     lines += ["", f"This study trained {len(trained)} runs so far ({hours:.1f} h of wall time, "
               "one process on one core each); the rows marked (scale study) are that study's "
@@ -374,6 +390,22 @@ def planned(toml: Path, overrides: list[str]) -> tuple[float, bool, int]:
     return step["tokens_per_s"], fits, max(len(p.layers) for p in plans)
 
 
+def render_discarded(results: dict) -> str:
+    """The projected arms' ``discarded_share`` per boundary and seed."""
+    lines = ["", "What the projection discards at each boundary: the share of the sender's "
+             "stream energy around F off span(U), over 4 validation batches (boundary 1 / 2 / 3; "
+             "seed 0; seed 1):", ""]  # fmt: skip
+    for arm in ARMS:
+        row = results["runs"].get(arm.name)
+        if arm.method != "projected" or row is None:
+            continue
+        entries = [row["seeds"].get(str(seed), {}) for seed in SEEDS]
+        shares = ["/".join(f"{x:.2f}" for x in e["discarded_share"]) if "discarded_share" in e
+                  else "not measured" for e in entries]  # fmt: skip
+        lines.append(f"- {arm.name}: {'; '.join(shares)}")
+    return "\n".join(lines)
+
+
 def render_time_to_target(results: dict) -> str:
     """Time to today's loss at the production shapes, predicted: the tokens each lever needed at
     d = 256 times the planner's step at 2B and 8B."""
@@ -404,6 +436,49 @@ def render_time_to_target(results: dict) -> str:
     lines.append(f"| today's mode (the configs as they are) | 1 | {base['2B']:,.0f} | 1 "
                  f"| {base['8B']:,.0f} | 1 |")  # fmt: skip
     return "\n".join(lines)
+
+
+def discarded_share(folder: Path, batches: int = 4) -> list[float]:
+    """Per boundary of a trained ``projected`` run (its newest checkpoint), the share of the
+    stream's energy around ``F`` that the boundary's projection discards,
+    ``sum |(I - U U^T)(x - F[t])|^2 / sum |x - F[t]|^2`` over ``batches`` validation batches of
+    the run's rows: what the sending stage computed and the next never sees (0 in ``subspace``
+    mode by construction)."""
+    import argparse
+
+    import torch
+
+    from protocol_models.hf.checkpoint_files import CheckpointTensors
+    from protocol_models.hf.evaluate import batches as rows
+    from protocol_models.hf.fold import expected_shapes
+    from protocol_models.training import run_record
+
+    record = run_record.read(folder / "checkpoint")
+    model_config = record.model_config()
+    model = model_config.build()
+    model.init_states()
+    step = max((folder / "checkpoint").glob("step-*"), key=lambda d: int(d.name.split("-")[1]))
+    model.load_state_dict(CheckpointTensors(step).load(list(expected_shapes(model_config))))
+    senders = [layer for layer in model.layers.values() if getattr(layer, "project_out", False)]
+    off, whole = [0.0] * len(senders), [0.0] * len(senders)
+
+    def measuring(index: int, send):
+        def measured(h, ffn, token_ids, basis, table):
+            around = (h + ffn).float() - table[token_ids].float()
+            kept = around @ basis @ basis.T
+            off[index] += (around - kept).pow(2).sum().item()
+            whole[index] += around.pow(2).sum().item()
+            return send(h, ffn, token_ids, basis, table)
+
+        return measured
+
+    for index, layer in enumerate(senders):
+        layer.send = measuring(index, layer.send)
+    args = argparse.Namespace(text=None, seq_len=None, batch_size=None, steps=batches)
+    with torch.no_grad():
+        for inputs, _ in rows(Path(record.hf_assets_path), record, args):
+            model(inputs["input"])
+    return [o / w for o, w in zip(off, whole, strict=True)]
 
 
 def plot(results: dict) -> None:
