@@ -40,7 +40,9 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
   (``recipes.common.speeches``, 2.11M training tokens): a gap that widens here is not the dense
   twin memorising repeated text.
 
-The report's last table is time to today's loss at the production shapes, predicted: the steps
+For every projected run the share of its stream that each boundary's projection discards is
+measured from its checkpoint (``discarded_share``) and stored with its result. The report's last
+table is time to today's loss at the production shapes, predicted: the steps
 each lever's 1,200-step arm took to reach today's mode's final loss, times the planner's
 tokens/s of the 2B and 8B configs with the lever's settings (``LEVERS_AT_SCALE``).
 
