@@ -447,6 +447,7 @@ def discarded_share(folder: Path, batches: int = 4) -> list[float]:
     the run's rows: what the sending stage computed and the next never sees (0 in ``subspace``
     mode by construction)."""
     import argparse
+    import warnings
 
     import torch
 
@@ -477,7 +478,8 @@ def discarded_share(folder: Path, batches: int = 4) -> list[float]:
     for index, layer in enumerate(senders):
         layer.send = measuring(index, layer.send)
     args = argparse.Namespace(text=None, seq_len=None, batch_size=None, steps=batches)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torchdata's "'set_vital' is deprecated"
         for inputs, _ in rows(Path(record.hf_assets_path), record, args):
             model(inputs["input"])
     return [o / w for o, w in zip(off, whole, strict=True)]
