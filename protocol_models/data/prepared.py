@@ -5,8 +5,10 @@ bundled Shakespeare data (``shakespeare``) is prepared with it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 DOC_CHARS = 4000
@@ -64,3 +66,11 @@ def _train_tokenizer(texts: list[str], out: Path) -> None:
     (out / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": BOS, "eos_token": EOS, "model_max_length": 1 << 20}, indent=2)
     )
+
+
+def main(prepare: Callable[[Path], Path], default_cache: Path, doc: str) -> None:
+    """The command line of a corpus's ``prepare``: ``[--cache DIR]``, described by the first
+    paragraph of its module's ``doc``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, default=default_cache)
+    print(f"prepared {prepare(parser.parse_args().cache)}")

