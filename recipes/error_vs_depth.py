@@ -79,7 +79,8 @@ def validation_batch(seq_len: int, sequences: int) -> torch.Tensor:
     with BOS/EOS, as the training loader packs them): inputs ``[sequences, seq_len]``."""
     from tokenizers import Tokenizer
 
-    from protocol_models.data.shakespeare import BOS, DEFAULT_CACHE, EOS
+    from protocol_models.data.prepared import BOS, EOS
+    from protocol_models.data.shakespeare import DEFAULT_CACHE
 
     cache = Path(__file__).resolve().parents[1] / DEFAULT_CACHE
     tokenizer = Tokenizer.from_file(str(cache / "tokenizer" / "tokenizer.json"))
