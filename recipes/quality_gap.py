@@ -491,7 +491,7 @@ def plot(results: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axis = plt.subplots(figsize=(7, 4.5))
+    fig, axis = plt.subplots(figsize=(10, 4.5))
     series: dict[str, list[Arm]] = {}
     for arm in ARMS:
         if arm.method != "dense" and arm.stages == REFERENCE_STAGES:
@@ -514,7 +514,7 @@ def plot(results: dict) -> None:
     axis.set_xticks([300, 990, 1200, 2400], ["300", "990", "1200", "2400"])
     axis.set_xticks([], minor=True)
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(OUT / "quality_gap.png", dpi=120)
 
