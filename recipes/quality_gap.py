@@ -41,7 +41,10 @@ an arm's final validation loss over its fair dense twin's (same seed, same steps
   twin memorising repeated text.
 
 For every projected run the share of its stream that each boundary's projection discards is
-measured from its checkpoint (``discarded_share``) and stored with its result. The report's last
+measured from its checkpoint (``discarded_share``) and stored with its result. Every run stores
+its mean training loss over each twelfth of its steps too (``train_loss``): on the 2,400-step
+pair, which rereads the bundled text, the gap in training loss beside the gap in validation loss
+shows what the dense twin spends on text it has read before. The report's last
 table is time to today's loss at the production shapes, predicted: the steps
 each lever's 1,200-step arm took to reach today's mode's final loss, times the planner's
 tokens/s of the 2B and 8B configs with the lever's settings (``LEVERS_AT_SCALE``).
@@ -64,6 +67,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from protocol_models.training.metrics import read_jsonl
 from recipes.common import (
     PARALLEL_RUNS,
     REFERENCE,
@@ -87,6 +91,7 @@ OUT = REPO / "results" / "quality_gap"
 RESULTS = OUT / "results.json"
 SCALE = REPO / "results" / "scale" / "results.json"
 SEEDS = (0, 1)
+TRAIN_WINDOWS = 12
 REFERENCE_STAGES = 4
 REFERENCE_STEPS = 300
 SPEECHES_STEPS = 990
@@ -252,26 +257,42 @@ def measure(arm: Arm, seed: int) -> dict:
     entry = {"run": repo_relative(folder), "overrides": over, "val_curve": curve,
              "final_val_loss": curve[-1][1], "wall_s": wall_seconds(folder),
              "launches": len(launch_seconds(folder))}  # fmt: skip
+    entry["train_loss"] = train_loss(folder, arm.steps)
     if arm.method == "projected":
         entry["discarded_share"] = discarded_share(folder)
     return entry
 
 
-def add_discarded_shares(results: dict) -> None:
-    """``discarded_share`` for the projected runs measured before it existed whose run folder
-    is still in the run cache."""
+def train_loss(folder: Path, steps: int) -> list[tuple[int, float]]:
+    """``[(end, loss)]``: the mean logged training loss over the steps in ``(end - steps / 12,
+    end]``, for each twelfth of the run. Both arms of a pair read the same batches in the same
+    order (same seed), so their windows compare batch for batch."""
+    key = "loss_metrics/global_avg_loss"
+    logged = {r["step"]: r[key] for r in read_jsonl(folder / "metrics.jsonl") if key in r}
+    width = steps // TRAIN_WINDOWS
+    return [(end, statistics.fmean(v for s, v in logged.items() if end - width < s <= end))
+            for end in range(width, steps + 1, width)]  # fmt: skip
+
+
+def add_measurements(results: dict) -> None:
+    """The measurements added after some runs finished (``train_loss``, and ``discarded_share``
+    for projected runs), for those whose run folder is still in the run cache."""
     for arm in ARMS:
         row = results["runs"].get(arm.name)
-        for entry in (row["seeds"].values() if row and arm.method == "projected" else ()):
-            if "discarded_share" not in entry and (REPO / entry["run"] / "checkpoint").is_dir():
-                entry["discarded_share"] = discarded_share(REPO / entry["run"])
+        for entry in (row["seeds"].values() if row and "source" not in row else ()):
+            folder = REPO / entry["run"]
+            if "train_loss" not in entry and (folder / "metrics.jsonl").is_file():
+                entry["train_loss"] = train_loss(folder, arm.steps)
+            if (arm.method == "projected" and "discarded_share" not in entry
+                    and (folder / "checkpoint").is_dir()):  # fmt: skip
+                entry["discarded_share"] = discarded_share(folder)
 
 
 def run_study(names: set[str] | None = None) -> None:
     """Train every run results.json lacks, phase by phase, every arm's first seed before any
     second one (with ``names``, only those arms')."""
     results = load_results()
-    add_discarded_shares(results)
+    add_measurements(results)
     save(results)
     jobs = [(a, s) for phase in PHASES for s in SEEDS for a in phase
             if names is None or a.name in names
@@ -337,6 +358,7 @@ def render_table(results: dict) -> str:
                for e in row["seeds"].values()]  # fmt: skip
     hours = sum(e["wall_s"] for e in trained) / 3600
     lines.append(render_discarded(results))
+    lines.append(render_rereading(results))
     lines.append(render_time_to_target(results))
     lines += ["", f"This study trained {len(trained)} runs so far ({hours:.1f} h of wall time, "
               "one process on one core each); the rows marked (scale study) are that study's "
@@ -405,6 +427,31 @@ def render_discarded(results: dict) -> str:
         shares = ["/".join(f"{x:.2f}" for x in e["discarded_share"]) if "discarded_share" in e
                   else "not measured" for e in entries]  # fmt: skip
         lines.append(f"- {arm.name}: {'; '.join(shares)}")
+    return "\n".join(lines)
+
+
+def render_rereading(results: dict) -> str:
+    """For the longest budget's compressed arms (which reread the bundled text), per seed and
+    validation step: the gap in validation loss and the gap in training loss over the window
+    ending there (``train_loss``)."""
+    longest = max(a.steps for a in ARMS)
+    lines = ["", f"Held-out vs read-before at {longest:,} steps: the gap (%) in validation loss "
+             "and in training loss over the twelfth of the run before each validation:",
+             ""]  # fmt: skip
+    for arm in ARMS:
+        row, twin = results["runs"].get(arm.name), results["runs"].get(arm.twin.name)
+        if arm.steps != longest or arm.method == "dense" or not row or not twin:
+            continue
+        for seed, entry in sorted(row["seeds"].items()):
+            dense_entry = twin["seeds"].get(seed)
+            if not dense_entry or "train_loss" not in entry or "train_loss" not in dense_entry:
+                continue
+            val, dense_val = dict(entry["val_curve"]), dict(dense_entry["val_curve"])
+            fit, dense_fit = dict(entry["train_loss"]), dict(dense_entry["train_loss"])
+            cells = [f"{step}: {100 * (val[step] / dense_val[step] - 1):+.2f} / "
+                     f"{100 * (fit[step] / dense_fit[step] - 1):+.2f}"
+                     for step in sorted(val.keys() & fit.keys() & dense_val.keys())]  # fmt: skip
+            lines.append(f"- {arm.name} seed {seed} (validation / training): {', '.join(cells)}")
     return "\n".join(lines)
 
 
