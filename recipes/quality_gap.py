@@ -544,7 +544,7 @@ def plot(results: dict) -> None:
         if arm.method != "dense" and arm.stages == REFERENCE_STAGES:
             series.setdefault(arm.name.rsplit(" ", 2)[0], []).append(arm)
     for label, arms in series.items():
-        points = [(a.steps, g) for a in arms if (g := gaps(results, a))]
+        points = sorted((a.steps, g) for a in arms if (g := gaps(results, a)))
         if not points:
             continue
         steps = [s for s, _ in points]
