@@ -52,6 +52,27 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     return torchrun(2, folder, "--training.steps", "20", *CKPT, *STREAMED)
 
 
+def test_a_metrics_line_cut_off_by_a_kill_is_no_record(tmp_path):
+    """A reader during the run, and the resumed run itself, skip a last line written only in
+    part (the run still appending it, or killed while it did) instead of failing to parse it."""
+    from protocol_models.training.metrics import JsonlLogger
+
+    paths = [str(tmp_path / name) for name in ("metrics.jsonl", "validation.jsonl", "s.jsonl")]
+    first_launch = JsonlLogger(*paths)
+    for step in (1, 2, 3):
+        first_launch.log({"loss": float(step)}, step)
+    with open(paths[0], "a") as f:
+        f.write(json.dumps({"step": 4, "loss": 4.0})[:12])  # killed while appending step 4
+    assert [r["step"] for r in read_jsonl(Path(paths[0]))] == [1, 2, 3]
+
+    JsonlLogger(*paths).log({"loss": 3.5}, 3)  # the restart resumes from its step-2 checkpoint
+    assert [(r["step"], r["loss"]) for r in read_jsonl(Path(paths[0]))] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.5),
+    ]
+
+
 def test_killed_worker_restarts_and_resumes_exactly(tmp_path, uninterrupted):
     """Killed after step 12, the run resumes from the step-10 checkpoint with the streamed data
     at the exact next batch: every step's ids and loss equal an uninterrupted run's (which ran on

@@ -74,19 +74,27 @@ class JsonlLogger(BaseLogger):
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL file this sink wrote (``[]`` when it does not exist)."""
-    if not path.is_file():
+    """The records of a JSONL file this sink wrote (``[]`` when it does not exist); safe to
+    call while the run still appends to it."""
+    return [json.loads(line) for line in _whole_lines(path)]
+
+
+def _whole_lines(path: str | Path) -> list[str]:
+    """The file's non-blank lines that were written whole, each with its newline. A record
+    is one ``write`` ending in a newline, so a last line without one is still being written
+    or was cut off by a kill: it is not a record (yet)."""
+    if not os.path.isfile(path):
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with open(path) as f:
+        return [line for line in f if line.endswith("\n") and line.strip()]
 
 
 def _drop_records_from(path: str, step: int) -> None:
     """Keep only records before ``step``: a fresh run starts the file anew, a resumed run
-    continues it without duplicating the steps it replays."""
+    continues it without duplicating the steps it replays (nor a record its kill cut off)."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] < step]
+    kept = [line for line in _whole_lines(path) if json.loads(line)["step"] < step]
     with open(path, "w") as f:
         f.writelines(kept)
 
