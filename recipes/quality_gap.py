@@ -267,8 +267,7 @@ def train_loss(folder: Path, steps: int) -> list[tuple[int, float]]:
     """``[(end, loss)]``: the mean logged training loss over the steps in ``(end - steps / 12,
     end]``, for each twelfth of the run. Both arms of a pair read the same batches in the same
     order (same seed), so their windows compare batch for batch."""
-    key = "loss_metrics/global_avg_loss"
-    logged = {r["step"]: r[key] for r in read_jsonl(folder / "metrics.jsonl") if key in r}
+    logged = {r["step"]: r["loss"] for r in read_jsonl(folder / "metrics.jsonl") if "loss" in r}
     width = steps // TRAIN_WINDOWS
     return [(end, statistics.fmean(v for s, v in logged.items() if end - width < s <= end))
             for end in range(width, steps + 1, width)]  # fmt: skip

@@ -12,7 +12,7 @@ def write_metrics(folder, losses: dict[int, float]) -> None:
     folder.mkdir(parents=True)
     with open(folder / "metrics.jsonl", "w") as f:
         for step, loss in losses.items():
-            f.write(json.dumps({"step": step, "loss_metrics/global_avg_loss": loss}) + "\n")
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
         f.write(json.dumps({"step": 24, "lr": 0.1}) + "\n")  # a record without the loss
 
 
