@@ -72,17 +72,20 @@ def run(toml_path: str | None, overrides: list[str]) -> None:
     """Check the config, build the trainer and train (or write the seed checkpoint)."""
     from torchtitan.tools.logging import init_logger, logger
 
-    from protocol_models.cluster import fsdp_probe
+    from protocol_models.cluster import fsdp_probe, gpu_check
     from protocol_models.config.run_config import load_config
-    from protocol_models.tools import nccl_rules
     from protocol_models.training import console
 
-    if nccl_rules.enabled():  # a CPU test of the NCCL path (PM_NCCL_RULES)
-        nccl_rules.install()
     config = load_config(toml_path, overrides, worker=True)
     init_logger()
     console.quiet_misleading(logger)
+    memory = gpu_check.DeviceMemoryProbe.from_env(config.dump_folder)  # gpu_check on CUDA only
+    if memory is not None:
+        memory.mark(gpu_check.PHASES[0])
     trainer = config.build()
+    if memory is not None:
+        memory.mark(gpu_check.PHASES[1])
+        memory.after_first_step(trainer)
     try:
         if config.checkpoint.create_seed_checkpoint:
             if int(os.environ.get("WORLD_SIZE", "1")) != 1:

@@ -114,11 +114,14 @@ def round_trip(pair: Pair, payload: torch.Tensor, late: bool, gap: float) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument("--backend", default="nccl",
+                        help="nccl, gloo, or another in torch's backend registry")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16384, 524288])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--gap", type=float, default=0.3, help="seconds; > a round trip")
     args = parser.parse_args()
+    if args.backend not in dist.Backend.backend_list:
+        parser.error(f"--backend {args.backend}: expected one of {dist.Backend.backend_list}")
     device = _device(args.backend)
     dist.init_process_group(args.backend, device_id=device if device.type == "cuda" else None)
     if dist.get_world_size() != 2:

@@ -4,6 +4,12 @@
 # for export/generate/evaluate), and print the loss, the measured compression and what to try next.
 #   bash scripts/quickstart.sh [--section.key value ...]
 # A previous quick start's folder is kept as outputs/quickstart.previous (replacing an older one).
+for arg in "$@"; do
+    if [ "$arg" = -h ] || [ "$arg" = --help ]; then  # the usage: this opening comment, nothing run
+        sed -n '2,/^# A previous/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        exit 0
+    fi
+done
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 dump=outputs/quickstart
 run=(configs/debug_cpu.toml --dump_folder "$dump" --checkpoint.enable true

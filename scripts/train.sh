@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch a training run with torchrun:
 #   bash scripts/train.sh CONFIG.toml [--section.key value ...]
-# The config is checked first (one-line error, no worker started). Environment:
+# The config, and the environment below against it, are checked first (one-line error,
+# exit code 2, no worker started). Environment:
 #   NGPU          processes per node (alias NPROC_PER_NODE; default: what the config needs on one node)
 #   NNODES        number of nodes (default 1); with NNODES>1 also set
 #   NODE_RANK     this node's place, 0..NNODES-1: node n gets global ranks n*NGPU .. n*NGPU+NGPU-1
@@ -20,7 +21,11 @@
 #   PYTHON        interpreter with protocol_models installed (default: .venv/bin/python)
 # With NNODES>1 the NCCL/TCP settings of scripts/multinode.env apply (an exported value wins).
 set -euo pipefail
-if [ $# -lt 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+asked_help=0
+for arg in "$@"; do
+    if [ "$arg" = -h ] || [ "$arg" = --help ]; then asked_help=1; fi
+done
+if [ $# -lt 1 ] || [ "$asked_help" = 1 ]; then
     # the usage: this file's opening comment
     sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p' >&"$(( $# ? 1 : 2 ))"
     exit "$(( $# ? 0 : 2 ))"

@@ -1,6 +1,6 @@
 """The asynchronous pipeline (``Async1F1B``): the delayed update rule on its own, the weight versions
 a backward differentiates, and the pipelined run against its one-process emulation, through a
-flush, a checkpoint and a resume."""
+flush, a checkpoint and a resume on the emulated NCCL backend."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import VALIDATE_AT_END, assert_same_run, read_jsonl, torchrun
+from conftest import NCCL_RULES, VALIDATE_AT_END, assert_same_run, read_jsonl, torchrun
 
 from protocol_models.training.delayed import DelayedUpdates
 from protocol_models.wire.async_schedule import hop_depth, max_hop_depth, stage_depths
@@ -153,14 +153,18 @@ def test_pipelined_async_equals_its_one_process_emulation(async_runs):
         assert abs(a[loss] - b[loss]) <= 2e-6 * a[loss], (a, b)
 
 
-def test_flush_checkpoint_resume_is_bit_exact(async_runs, tmp_path):
-    """The checkpoint after the flush at step 3, resumed on 2 stages, gives steps 4-6 bit for bit."""
+def test_flush_checkpoint_resume_on_nccl_is_bit_exact(async_runs, tmp_path):
+    """The checkpoint after the flush at step 3, resumed on 2 stages on the emulated NCCL backend
+    (``NCCL_RULES``: single sends and pre-posted receives on a group per boundary and direction,
+    the norms on connected pair communicators, and TorchTitan's device-wide wait after the
+    resumed process's first step, which is no flush: it drains the pipeline without applying
+    its gradient early), gives the gloo run's steps 4-6 bit for bit."""
     _, pipelined, folder = async_runs
     resumed_dump = tmp_path / "resumed"
     shutil.copytree(folder / "pp2" / "checkpoint" / "step-3",
                     resumed_dump / "checkpoint" / "step-3")  # fmt: skip
     resumed, output = torchrun(2, resumed_dump, "--checkpoint.enable", *ASYNC, *FLUSH_AT_3,
-                               *PREDICT, return_output=True)  # fmt: skip
+                               *PREDICT, env=NCCL_RULES, return_output=True)  # fmt: skip
     assert "Training starts at step 4" in output
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for key in ("loss", "grad_norm"):

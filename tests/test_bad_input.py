@@ -257,13 +257,27 @@ def help_texts(modules: list[str]) -> dict[str, str]:
     return dict(c.split("\n", 1) for c in result.stdout.split("@@ ")[1:] if "\n" in c)
 
 
+def test_quickstart_help_moves_nothing():
+    """``bash scripts/quickstart.sh --help`` prints its usage and exits 0 before anything runs:
+    an earlier quick start's folder stays where it is."""
+    dump = REPO / "outputs" / "quickstart"
+    before = sorted(p.name for p in dump.parent.glob("quickstart*"))
+    script = subprocess.run(["bash", "scripts/quickstart.sh", "--training.steps", "2", "--help"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert script.returncode == 0 and "bash scripts/quickstart.sh" in script.stdout, script.stderr
+    assert sorted(p.name for p in dump.parent.glob("quickstart*")) == before
+
+
 def test_every_command_answers_help_with_its_usage():
-    """``--help`` on ``scripts/train.sh`` and on every ``python -m protocol_models.X`` (the
-    top-level commands and ``config``) prints what the command takes on stdout and exits 0 (one
-    interpreter runs every command's ``__main__``)."""
-    script = subprocess.run(["bash", "scripts/train.sh", "--help"], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
-    assert script.returncode == 0 and "bash scripts/train.sh CONFIG.toml" in script.stdout
+    """``--help`` on ``scripts/train.sh`` (alone, or after a config and overrides: no worker, no
+    traceback) and on every ``python -m protocol_models.X`` (the top-level commands and
+    ``config``) prints what the command takes on stdout and exits 0 (one interpreter runs every
+    command's ``__main__``)."""
+    for args in (["--help"], ["configs/debug_cpu.toml", "--training.steps", "2", "--help"]):
+        script = subprocess.run(["bash", "scripts/train.sh", *args], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert script.returncode == 0 and "bash scripts/train.sh CONFIG.toml" in script.stdout
+        assert "Traceback" not in script.stderr, script.stderr[-2000:]
     names = sorted(p.stem for p in (REPO / "protocol_models").glob("*.py") if p.stem != "__init__")
     names = [f"protocol_models.{n}" for n in [n for n in names if n != "train"] + ["config", "train"]]
     chunks = help_texts(names)

@@ -124,8 +124,9 @@ PP_FSDP = ["--parallelism.pipeline_parallel_degree", "2", "--codec.bits", "8",
 def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpoint):
     """The 8B layout scaled down: 4 processes, 2 pipeline stages x 2-way FSDP (each stage's
     parameters sharded over its 2 ranks), 8-bit wire, chunked loss, bf16 mixed precision, full
-    activation checkpointing, under the collective probe and NCCL's point-to-point rules
-    (``NCCL_RULES``). From one seed checkpoint, every step's
+    activation checkpointing, under the collective probe on the emulated NCCL backend
+    (``NCCL_RULES``), whose every loss and gradient norm equal the same run's on plain gloo bit
+    for bit. From one seed checkpoint, every step's
     loss equals, to bf16 precision, the same layout's with each stage's parameters replicated on
     its 2 ranks instead of sharded (the same ranks read the same batches), and so does the
     gradient norm (FSDP on gloo reduces with SUM and divides: ``cpu_shim.gloo_fsdp_reductions``). Every group -- the FSDP axis's
@@ -157,6 +158,11 @@ def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpo
         pairs = [(a[key], b[key]) for a, b in zip(sharded, replicated, strict=True)]
         assert all(abs(a - b) <= 2**-8 * abs(b) for a, b in pairs), (key, pairs)
     assert sharded[-1]["loss"] < sharded[0]["loss"]
+    on_gloo = torchrun(
+        4, tmp_path / "fsdp_gloo", *PP_FSDP, *seed, "--parallelism.data_parallel_shard_degree", "2",
+    )  # fmt: skip
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in sharded] == [r[key] for r in on_gloo], key
     for rank in range(4):
         steps = _group_timeouts(tmp_path / "timeouts", rank)
         assert sorted(steps) == [1, 2, 3, 4]
@@ -167,7 +173,7 @@ def test_pipeline_with_fsdp_matches_replicated_parameters(tmp_path, seed_checkpo
                          check_environment=False)  # fmt: skip
     fsdp = json.loads((tmp_path / "fsdp" / "fsdp_probe.json").read_text())
     assert [(r["stage"], r["ranks"], r["backend"], r["all_gathers_per_step"]) for r in fsdp] == [
-        (0, 2, "nccl", 1), (1, 2, "nccl", 1)]  # fmt: skip (gloo, reported as NCCL by the rules)
+        (0, 2, "nccl_rules", 1), (1, 2, "nccl_rules", 1)]  # fmt: skip (the emulated NCCL)
     for row, plan in zip(fsdp, plan_stages(config), strict=True):
         assert (row["all_gather_bytes"], row["reduce_scatter_bytes"]) == (2 * plan.params,
                                                                           4 * plan.params)
@@ -192,7 +198,7 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
     assert rows.pop("before the first cluster run") == "verdict", rows
     assert {k: v for k, v in rows.items() if k != "sysctls"} == {
         "driver": "n/a", "toolchain": "n/a", "wandb key": "n/a", "checkpoints": "ok",
-        "interfaces": "n/a", "FSDP network": "n/a",
+        "interfaces": "n/a", "FSDP network": "n/a", "open files": "n/a",
     }, rows  # fmt: skip
     assert rows["sysctls"] in ("ok", "warn"), rows  # this host's TCP settings decide
     assert not list(dump.glob("checkpoint/**/step-*"))

@@ -464,7 +464,7 @@ def test_every_multinode_launch_reads_the_nccl_settings_file(tmp_path):
     """``scripts/train.sh`` with NNODES > 1 (a launch without SLURM, node by node) exports the
     NCCL/TCP settings of ``scripts/multinode.env``, which the SLURM script reads too; a value
     exported before the launch wins; a single-node launch sets none."""
-    names = ["NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_NTHREADS",
+    names = ["NCCL_NET", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_NTHREADS",
              "NCCL_NSOCKS_PERTHREAD", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]  # fmt: skip
     shown = " ".join(f"{n}=${{{n}-unset}}" for n in names)
     bin_dir = fake_commands(tmp_path / "bin", {
@@ -480,8 +480,9 @@ def test_every_multinode_launch_reads_the_nccl_settings_file(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         return dict(item.split("=", 1) for item in result.stdout.split())
 
-    assert launch(NNODES="2") == {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "^lo,docker",
-                                  "NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4",
+    assert launch(NNODES="2") == {"NCCL_NET": "Socket", "NCCL_IB_DISABLE": "1",
+                                  "NCCL_SOCKET_IFNAME": "^lo,docker",
+                                  "NCCL_SOCKET_NTHREADS": "1", "NCCL_NSOCKS_PERTHREAD": "1",
                                   "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}  # fmt: skip
     assert launch(NNODES="2", NCCL_SOCKET_IFNAME="wg0")["NCCL_SOCKET_IFNAME"] == "wg0"
     assert set(launch(NNODES="1").values()) == {"unset"}

@@ -20,15 +20,18 @@ from protocol_models.cluster.plan import (
     REGION,
     StagePlan,
     _minimax_split,
+    async_config,
     fsdp_bytes,
     fsdp_seconds,
     plan_stages,
     predict_async_step,
     predict_step,
     propose_split,
+    stage_communicators,
     stage_cost,
     stage_params,
 )
+from protocol_models.cluster.planner import async_refusal
 from protocol_models.cluster.planner import main as plan_main
 from protocol_models.config.run_config import load_config
 from protocol_models.model.layout import stage_layer_ranges
@@ -177,7 +180,8 @@ def test_memory_and_flops_match_the_closed_forms(ac):
             * tokens,
         }[ac]
         assert (plan.fwd_flops, plan.bwd_flops) == (fwd, 2 * fwd + extra)
-        assert plan.total_bytes == pytest.approx(1.10 * sum(plan.memory.values()))
+        assert plan.total_bytes == pytest.approx(
+            1.10 * (sum(plan.memory.values()) + plan.nccl_bytes))  # fmt: skip
 
 
 def test_1f1b_and_the_chunked_loss_shrink_the_last_stage():
@@ -295,6 +299,95 @@ def test_async_step_has_no_fill_and_drain_but_at_flushes():
         assert result["step_s"] == pytest.approx(steady + drain / 100)
 
 
+AT_80_50 = ["--bandwidth-mbps", "80", "--latency-ms", "50"]
+
+
+@pytest.mark.parametrize("name", ["llama3_2b_protocol", "llama3_8b_protocol"])
+def test_async_is_predicted_for_the_cuda_configs(name, capsys):
+    """At 80 Mbit/s + 50 ms the planner prints the ``Async1F1B`` step of both CUDA configs
+    (nowhere ``n/a``), the cost model's own figure, what it assumes, the config check's refusal
+    where the layout is refused (the 8B's FSDP) and the schedule it recommends: ``Async1F1B``,
+    with its settings and its memory under them, where the layout runs it."""
+    toml = str(REPO / "configs" / f"{name}.toml")
+    assert plan_main(["--toml", toml, *AT_80_50]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "Async1F1B" in line]
+    assert len(rows) == 4 and not any("n/a" in row for row in rows), rows
+    config = load_config(toml, [], check_environment=False)
+    plans, link = plan_stages(config), links(config, 80.0, 50.0)
+    sync = predict_step(config, plans, link, 0.4)
+    predicted = predict_async_step(config, plans, sync, link, 0.4)
+    assert re.search(rf"\| = Async1F1B step \| [\d.]+ s \| {predicted['step_s']:.2f} s \|", out)
+    assert "Async1F1B rows assume: one-step-delayed updates" in out
+    refusal = async_refusal(config)
+    assert (refusal is not None) == ("\nAsync1F1B does not run this layout" in out)
+    if name == "llama3_8b_protocol":
+        assert "parallelism.data_parallel_shard_degree = 16" in refusal and refusal in out
+    if refusal is not None:
+        assert "\nrecommended schedule: GPipe: Async1F1B does not run this layout" in out
+        return
+    largest = max(p.total_bytes for p in plan_stages(async_config(config, predicted["hop"])))
+    assert (f"\nrecommended schedule: Async1F1B, predicted {predicted['step_s']:.2f} s per step "
+            f"against GPipe's {sync['step_s']:.2f} s") in out  # fmt: skip
+    assert (f"--parallelism.pipeline_parallel_schedule Async1F1B --transport.async_hop_depth "
+            f"{predicted['hop']} --optimizer.weight_prediction 1; under it the largest stage "
+            f"needs {largest / GIB:.2f} GiB with the margin") in out  # fmt: skip
+
+
+def test_nccl_buffers_follow_nccls_defaults_per_communicator():
+    """Per NCCL communicator a GPU holds, its buffers by NCCL 2.30's defaults at 2 channels: a
+    ring's connections to its two neighbours each carry LL (512 KiB), LL128 (4,915,200 B) and
+    SIMPLE (4 MiB) buffers; point-to-point across the network shares one 2 x 16 x 128 KiB pool
+    per direction; on one node every peer, channel and direction gets the three. The 2B (one GPU
+    per node): its boundaries' communicators (two or four), the norm exchange's, the pipeline's
+    and the world's rings; the 8B adds FSDP's and the loss's; under Async1F1B the norm exchange
+    takes a two-rank communicator per other stage and direction; TINY's 6 ranks share a node; a
+    CPU config (gloo) holds none."""
+    connection = 512 * 1024 + 4_915_200 + 4 * 1024**2
+    ring, pool = 2 * 2 * connection, 2 * 16 * 128 * 1024
+
+    def held(config, stage):
+        return [(c.describe(), c.buffer_bytes) for c in stage_communicators(config, stage)]
+
+    two_b = load_config(str(REPO / "configs/llama3_2b_protocol.toml"), [], check_environment=False)
+    network = "point-to-point (network)"
+    rings = [("pipeline ring", ring), ("world ring", ring)]
+    assert held(two_b, 0) == [(f"boundary {network}", pool)] * 2 + [
+        (f"norm exchange {network}", 2 * pool), *rings]  # fmt: skip
+    assert held(two_b, 3)[:4] == [(f"boundary {network}", pool)] * 4
+    asynchronous = async_config(two_b, 2)
+    assert held(asynchronous, 3)[4:] == [(f"norm exchange {network}", pool)] * 14 + rings
+    eight_b = load_config(str(REPO / "configs/llama3_8b_protocol.toml"), [],
+                          check_environment=False)  # fmt: skip
+    names = [f"norm exchange {network}", "pipeline ring", "FSDP ring", "loss ring", "world ring"]
+    assert [name for name, _ in held(eight_b, 1)][4:] == names
+    tiny = load_config(None, TINY, check_environment=False)  # 3 stages x 2 FSDP ranks, one node
+    local = "point-to-point (intra-node)"
+    assert held(tiny, 1) == [(f"boundary {local}", 2 * connection)] * 4 + [
+        (f"norm exchange {local}", 2 * 2 * 2 * connection), ("pipeline ring", ring),
+        ("FSDP ring", ring), ("loss ring", ring), ("world ring", ring)]  # fmt: skip
+    cpu = load_config(None, [*TINY, "--hardware.device", "cpu"], check_environment=False)
+    assert stage_communicators(cpu, 1) == ()
+
+
+def test_memory_table_itemises_nccl_communicators(capsys):
+    """The 2B's memory table has an NCCL column (GiB, in each stage's total) and, under it, each
+    set of communicators with the stages that hold it and every communicator's buffers."""
+    toml = str(REPO / "configs/llama3_2b_protocol.toml")
+    assert plan_main(["--toml", toml, *AT_80_50]) == 0
+    out = capsys.readouterr().out
+    assert "| F and U | context | NCCL | total x1.10 |" in out
+    assert "NCCL buffers per GPU, estimated from NCCL 2.30's defaults" in out
+    items = ("8.0 MiB norm exchange point-to-point (network), 36.8 MiB pipeline ring, "
+             "36.8 MiB world ring")  # fmt: skip
+    boundary = "4.0 MiB boundary point-to-point (network)"
+    assert f"  stages 0, 7: 2 x {boundary}, {items} = 89.5 MiB" in out
+    assert f"  stages 1-6: 4 x {boundary}, {items} = 97.5 MiB" in out
+    plan = plan_stages(load_config(toml, [], check_environment=False))[7]
+    row = next(line for line in out.splitlines() if line.startswith("| 7 |"))
+    assert f"| 1.00 | {plan.nccl_bytes / GIB:.2f} | {plan.total_bytes / GIB:.2f} | yes |" in row
+
+
 def test_proposed_split_is_the_fastest_that_fits():
     """The dynamic program against brute force over every split, with a memory limit that rules
     some out."""
@@ -308,7 +401,8 @@ def test_proposed_split_is_the_fastest_that_fits():
 
     def cost(s, n):
         memory, fwd, bwd = stage_cost(config, s, n, stage_params(config, s, n))
-        return n_mb * (fwd + bwd) / peak, 1.10 * sum(memory.values())
+        nccl = sum(c.buffer_bytes for c in stage_communicators(config, s))
+        return n_mb * (fwd + bwd) / peak, 1.10 * (sum(memory.values()) + nccl)
 
     splits = [
         [a, b, n_layers - a - b]

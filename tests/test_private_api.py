@@ -1,7 +1,7 @@
 """The plugin against the TorchTitan and torch it is pinned to: every private dependency holds
 (``protocol_models.tools.private_api``), and the plugin patches nothing in them: importing the
 package rebinds no attribute of theirs, and the package's source assigns to another package's
-attribute only in its two explicit opt-ins at launch."""
+attribute only in its one explicit opt-in at launch (the CPU binding)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,9 @@ PACKAGE = REPO / "protocol_models"
 OPT_INS = {
     ("tools/cpu_shim.py", "titan_utils.device_type"),  # a CPU worker's binding (install)
     ("tools/cpu_shim.py", "titan_utils.device_module"),
-    ("tools/nccl_rules.py", "c10d.<setattr>"),  # the PM_NCCL_RULES test mode (install)
-    ("tools/nccl_rules.py", "dist.<setattr>"),
-    ("tools/nccl_rules.py", "dist.get_backend"),
 }
 """The assignments to another package's attributes the package may make: each runs only when
-the launch asks for it (``cpu_shim.install``, ``nccl_rules.install``), never on import."""
+the launch asks for it (``cpu_shim.install``), never on import."""
 
 
 def test_every_private_dependency_holds():

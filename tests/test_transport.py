@@ -286,19 +286,19 @@ def test_config_check_prints_the_tcp_line_for_a_stated_link():
 
 def test_p2p_check_runs_both_kinds_of_round_trip_under_nccl_rules():
     """``scripts/p2p_check.py`` (the receiver- vs sender-driven check a user runs on two GPUs)
-    completes between two local processes over gloo under NCCL's point-to-point rules for its
-    device-bound group (``tests/with_nccl_rules.py``, ``PM_NCCL_RULES=bound``) and reports both
+    completes between two local processes on the emulated NCCL backend, with the rules of a
+    device-bound group (``tests/with_nccl_rules.py``, ``PM_NCCL_RULES=bound``), and reports both
     round trips per size; on one machine the latency is too small for its verdict to mean
     anything, so only its shape is checked here (the verdict on the real shaped link is in
     results/README.md)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "tests" / "with_nccl_rules.py"), str(REPO / "scripts" / "p2p_check.py"),
-           "--backend", "gloo", "--sizes", "1", "4096", "--trials", "2", "--gap", "0.05"]  # fmt: skip
+           "--backend", "nccl_rules", "--sizes", "1", "4096", "--trials", "2", "--gap", "0.05"]  # fmt: skip
     env = {**os.environ, "PM_NCCL_RULES": "bound", "PM_NCCL_RULES_WAIT_S": "5"}
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["backend"] == "gloo" and report["driven"] in ("receiver", "sender")
+    assert report["backend"] == "nccl_rules" and report["driven"] in ("receiver", "sender")
     assert sorted(report["sizes"]) == ["1", "4096"]
     for times in report["sizes"].values():
         assert times["first"] > 0 and times["late"] > 0

@@ -1,6 +1,7 @@
-"""Run a torch-only script under NCCL's point-to-point rules (``tools.nccl_rules``), as a worker
-of ``torchrun``: ``torchrun ... tests/with_nccl_rules.py SCRIPT [ARGS ...]`` with ``PM_NCCL_RULES``
-set. A broken rule is one ``error: NCCL rule ...`` line and exit code 2."""
+"""Run a torch-only script on the emulated NCCL backend (``tools.nccl_rules``), as a worker of
+``torchrun``: ``torchrun ... tests/with_nccl_rules.py SCRIPT [ARGS ...] --backend nccl_rules``
+with ``PM_NCCL_RULES`` set: the backend is registered in torch's registry first, and the script
+creates its groups on it. A broken rule is one ``error: NCCL rule ...`` line and exit code 2."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from protocol_models.tools import nccl_rules
 
 if __name__ == "__main__":
-    nccl_rules.install()
+    nccl_rules.register()
     script, sys.argv = sys.argv[1], sys.argv[1:]
     try:
         runpy.run_path(script, run_name="__main__")

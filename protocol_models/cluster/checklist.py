@@ -15,11 +15,13 @@ or cannot resume), ``FAIL`` (the run would stop) or ``n/a`` (this config does no
 | FSDP network | with FSDP on several nodes: which network FSDP's collectives take next to the |
 |  | pipeline's links between regions (``NCCL_IB_DISABLE`` is process-wide) |
 | sysctls | with ``[transport]`` link stated: TCP buffers and congestion control for it |
+| open files | on several nodes: NCCL's sockets per worker next to ``ulimit -n`` |
 """
 
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -171,6 +173,87 @@ def sysctls_row(config) -> Row:
     return Row("sysctls", "ok", f"TCP buffers and congestion control fit a {link} link")
 
 
+NCCL_SOCKET_AUTO = ((0, 1), (2, 8), (4, 1))
+"""NCCL's own ``(NCCL_SOCKET_NTHREADS, NCCL_NSOCKS_PERTHREAD)`` where they are unset: by the
+NIC's PCI vendor, AWS's 2 x 8, Google's 4 x 1, else 0 x 1 (NCCL 2.30.7,
+``src/transport/net_socket.cc``, ``ncclNetSocketGetNsockNthread``)."""
+NCCL_MAX_THREADS, NCCL_MAX_SOCKETS = 16, 64
+"""The same function's caps (``MAX_THREADS``, ``MAX_SOCKETS``)."""
+
+
+def nccl_data_sockets(env: Mapping[str, str]) -> tuple[int, str]:
+    """Data sockets per NCCL socket connection (``NCCL_SOCKET_NTHREADS`` x
+    ``NCCL_NSOCKS_PERTHREAD``, capped as NCCL caps them; an unset one takes the largest of
+    NCCL's own choices), and how the row names them."""
+
+    def value(name: str) -> int | None:
+        text = env.get(name, "").strip()
+        return int(text) if text.lstrip("-").isdigit() and int(text) != -2 else None
+
+    threads, per_thread = value("NCCL_SOCKET_NTHREADS"), value("NCCL_NSOCKS_PERTHREAD")
+    options = []
+    for auto_threads, auto_per_thread in NCCL_SOCKET_AUTO:
+        t = min(auto_threads if threads is None else threads, NCCL_MAX_THREADS)
+        s = auto_per_thread if per_thread is None else per_thread
+        if t * s > NCCL_MAX_SOCKETS:
+            s = NCCL_MAX_SOCKETS // t
+        options.append((t * s, t, s))
+    data, t, s = max(options)
+    unset = threads is None or per_thread is None
+    return data, f"{t} x {s} data" + (" (NCCL's own choice where unset, at most)" if unset else "")
+
+
+def stage_network_connections(config, stage: int) -> int:
+    """NCCL network connections one worker of ``stage`` holds, per channel: one per peer and
+    direction of each point-to-point communicator whose peers are on other nodes (boundaries,
+    norm exchange) and two per ring (the previous and the next rank), every ring counted as if
+    it crossed nodes (``plan.stage_communicators``)."""
+    from protocol_models.cluster.plan import stage_communicators
+
+    return sum(2 if c.ring else 0 if c.local else c.directions * c.peers
+               for c in stage_communicators(config, stage))  # fmt: skip
+
+
+def open_files_limit() -> int | None:
+    """This process's soft ``RLIMIT_NOFILE`` (``ulimit -n``), which the workers inherit; None
+    when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def open_files_row(config, nodes: int, env: Mapping[str, str], limit: int | None) -> Row:
+    """NCCL's sockets per worker against ``ulimit -n`` (``limit``, the soft limit): each
+    socket-transport connection holds its data sockets and one control socket
+    (``src/transport/net_socket.cc``, ``ncclNetSocketConnect``), one connection per peer,
+    direction and channel (``plan.NCCL_CHANNELS``, the planner's assumption) of each
+    communicator (``stage_network_connections``), the busiest stage's. ``FAIL`` when that alone
+    reaches the limit, ``warn`` above half of it (the rest is for NCCL's bootstrap sockets, the
+    CUDA driver's device files, the data loaders, the stores)."""
+    from protocol_models.cluster.plan import NCCL_CHANNELS
+
+    if config.hardware.device == "cpu" or nodes == 1:
+        reason = 'hardware.device = "cpu"' if nodes > 1 else "one node"
+        return Row("open files", "n/a", reason)
+    data, described = nccl_data_sockets(env)
+    stages = range(config.layout_stages)
+    stage = max(stages, key=lambda s: stage_network_connections(config, s))
+    connections = stage_network_connections(config, stage) * NCCL_CHANNELS
+    sockets = connections * (data + 1)
+    count = (
+        f"up to {sockets} NCCL sockets per worker (stage {stage}: {connections} network "
+        f"connections, {NCCL_CHANNELS} channels each counted, x ({described} + 1 control))"
+    )
+    if limit is None:
+        return Row("open files", "ok", f"{count}; ulimit -n unlimited")
+    fix = ("raise it before the launch (ulimit -n 65536; under SLURM or systemd: "
+           "LimitNOFILE) or lower NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD")  # fmt: skip
+    if sockets >= limit:
+        return Row("open files", "FAIL", f"{count} reach ulimit -n {limit}: {fix}")
+    if 2 * sockets > limit:
+        return Row("open files", "warn", f"{count}: over half of ulimit -n {limit}; {fix}")
+    return Row("open files", "ok", f"{count} within ulimit -n {limit}")
+
+
 def rows(config, env: Mapping[str, str] = os.environ) -> list[Row]:
     """This node's checklist for ``config`` (``NNODES`` nodes, as ``scripts/train.sh`` reads)."""
     nodes = int(env.get("NNODES", "1"))
@@ -182,6 +265,7 @@ def rows(config, env: Mapping[str, str] = os.environ) -> list[Row]:
         interfaces_row(nodes, env),
         fsdp_network_row(config, nodes, env, infiniband_devices()),
         sysctls_row(config),
+        open_files_row(config, nodes, env, open_files_limit()),
     ]
 
 

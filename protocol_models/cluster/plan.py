@@ -41,10 +41,17 @@ per step; ``n``: microbatches in flight (GPipe: ``M``; 1F1B: ``min(M, S - s)``);
   loss_chunk_tokens = N``: ``(a + 12) V min(N, T)`` (one chunk's logits, fp32 copy, log-softmax
   and gradients) plus ``(4 + a) V d`` (the head gradient's fp32 accumulator and its cast);
 * F and U (subspace and projected): ``V d`` in ``protocol.table_dtype`` and ``4 d k``;
-* CUDA context: 1 GiB (CUDA, cuBLAS and NCCL on the GPU before the first tensor).
+* CUDA context: 1 GiB (``CUDA_CONTEXT``, a stated constant: the CUDA runtime, its kernels and
+  cuBLAS's workspace on the GPU before the first tensor, NCCL's small device structures);
+* NCCL buffers (a CUDA config), an estimate per communicator the stage's GPU holds
+  (``stage_communicators``, ``Communicator.buffer_bytes``, from NCCL's defaults): one per
+  boundary and direction the stage touches (``wire.boundary_groups``: a two-rank
+  point-to-point communicator each), the norm exchange's (``wire.norm_exchange``), and a ring
+  for each group that runs collectives: the pipeline's, FSDP's, the data-parallel replicas',
+  the loss's, tensor parallelism's and the world's.
 
 A stage fits when ``1.10 x`` the sum is at most ``usable_memory_gib`` (the 10%: allocator
-fragmentation, communication buffers).
+fragmentation).
 
 Compute, FLOPs per step on one GPU of the stage, ``B = local_batch_size x seq_len`` tokens:
 ``6 W B`` for ``W``, the weights of the stage's matmuls (its blocks' Linears, the boundary
@@ -96,12 +103,13 @@ data-parallel ranks span nodes all-gathers its parameters and reduce-scatters it
 once per step over the network inside a region (``fsdp_bytes``), not overlapped (an upper
 bound), the slowest stage's. The optimizer step is not counted.
 
-Next to it, every column predicts the ``Async1F1B`` step where the config check allows it (not
-on NCCL, a CUDA config: ``n/a`` and the reason) (``predict_async_step``): no fill and
-drain in steady state, one microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` per
-stage, where ``d`` is the hop depth (the configured one under ``Async1F1B``, else the smallest
-that hides the round trip, at most what the microbatches allow) -- a depth too small for the link
-makes it slower than GPipe --, plus, at every flush (validation, checkpoint, last step), the
+Next to it, every column predicts the ``Async1F1B`` step of the same stages
+(``predict_async_step``; the planner says where the config check refuses the layout, and plans
+the memory of the layout under the schedule with ``async_config``): no fill and drain in steady
+state, one microbatch per period ``max(T, (2 (L + x) + f + b) / d, x)`` per stage, where ``d``
+is the hop depth (the configured one under ``Async1F1B``, else the smallest that hides the round
+trip, at most what the microbatches allow) -- a depth too small for the link makes it slower
+than GPipe --, plus, at every flush (validation, checkpoint, last step), the
 synchronous fill and drain (a log step's metrics gather is not waited for). Under
 ``Async1F1B`` a stage also holds its depth + 1 microbatches' activations and two fp32 weight
 versions with their gradients (``versions``; with ``[optimizer] weight_prediction``, one more
@@ -141,6 +149,7 @@ from protocol_models.wire.async_schedule import (
     max_hop_depth,
     stage_depths,
 )
+from protocol_models.wire.boundary_groups import DIRECTIONS
 from protocol_models.wire.link import (
     READY_NOTICE_BYTES,
     rendezvous_period,
@@ -165,6 +174,64 @@ ASSUMED_PEAK_TFLOPS = 121.0
 """The peak of one GPU the compute estimate assumes when ``[hardware] peak_tflops`` is unset: an
 NVIDIA L4's dense bf16 (its datasheet's 242 TFLOP/s with sparsity, halved)."""
 
+NCCL_VERSION = "2.30"
+"""The NCCL whose source defaults the buffer estimate reads (torch 2.14's wheel ships 2.30.7)."""
+NCCL_CONNECTION_BYTES = 8 * 512 * 8 * 16 + 120 * 640 * 8 * 8 + 4 * 1024**2
+"""Buffers of one connection (one channel, one peer, one direction) of a ring or of the
+intra-node P2P transport, 9,633,792 bytes, NCCL's defaults (``src/init.cc``,
+``computeBuffSizes``; constants in ``src/include/device.h``): LL ``NCCL_LL_LINES_PER_THREAD (8) x
+NCCL_LL_MAX_NTHREADS (512) x NCCL_STEPS (8) x sizeof(ncclLLFifoLine) (16)`` = 512 KiB, LL128
+``NCCL_LL128_ELEMS_PER_THREAD (120) x NCCL_LL128_MAX_NTHREADS (640) x NCCL_STEPS x 8`` = 4.6875
+MiB and SIMPLE ``NCCL_BUFFSIZE`` = 4 MiB. ``src/transport/net.cc`` (``sendProxyConnect``,
+``recvProxyConnect``) gives a ring's connections dedicated buffers of all three protocols on
+both sides; ``src/transport/p2p.cc`` gives an intra-node connection the three on one side."""
+NCCL_CHANNELS = 2
+"""Channels of a communicator, an assumption: the topology search's one ring over a single NIC,
+which ``src/graph/connect.cc`` doubles (``comm->nChannels = min(MAXCHANNELS, nChannels * 2)``);
+point-to-point uses as many (``src/graph/paths.cc``: ``p2pnChannels`` is ``nChannels`` rounded
+up to a power of two, and a PCIe peer gets 2 channels). NVLink nodes and several NICs get more."""
+NCCL_P2P_POOL_BYTES = NCCL_CHANNELS * 16 * 128 * 1024
+"""One direction's point-to-point buffers of a communicator whose peers are across the network,
+4 MiB: ``src/transport/net.cc`` shares one pool per direction among all peers
+(``NCCL_NET_SHARED_BUFFERS`` on by default; ``sharedNetBuffersInit``: ``p2pnChannels x
+NCCL_SHARED_STEPS (16) x p2pChunkSize``, the chunk ``NCCL_P2P_NET_CHUNKSIZE`` = 128 KiB when the
+communicator spans nodes, ``src/init.cc``); LL buffers only with ``NCCL_ALLOC_P2P_NET_LL_BUFFERS``
+(off)."""
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """One NCCL communicator a GPU holds (``stage_communicators``): ``name``; ``ring``: it runs
+    collectives (a ring's connections to its previous and next rank), else point-to-point only,
+    in ``directions`` (1: sends or receives, 2: both) with ``peers`` peers, ``local`` when they
+    share this GPU's node (NCCL's P2P transport), else over the network."""
+
+    name: str
+    ring: bool = False
+    directions: int = 1
+    peers: int = 1
+    local: bool = False
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Its buffers, an estimate from NCCL's defaults (``NCCL_CONNECTION_BYTES``,
+        ``NCCL_CHANNELS``, ``NCCL_P2P_POOL_BYTES``), counted as GPU memory: an upper bound where
+        NCCL keeps them in pinned host memory instead (network buffers without GPUDirect RDMA,
+        as over sockets; ``src/transport/net.cc``) and for an intra-node point-to-point
+        connection, counted on both its GPUs though ``src/transport/p2p.cc`` puts its buffers
+        on one. NCCL's few device structures per communicator are left to ``CUDA_CONTEXT``."""
+        if self.ring:
+            return NCCL_CHANNELS * 2 * NCCL_CONNECTION_BYTES
+        if self.local:
+            return NCCL_CHANNELS * self.directions * self.peers * NCCL_CONNECTION_BYTES
+        return self.directions * NCCL_P2P_POOL_BYTES
+
+    def describe(self) -> str:
+        """E.g. ``"boundary point-to-point (network)"``, ``"world ring"``."""
+        if self.ring:
+            return f"{self.name} ring"
+        return f"{self.name} point-to-point ({'intra-node' if self.local else 'network'})"
+
 
 @dataclass(frozen=True)
 class Matmul:
@@ -179,7 +246,8 @@ class Matmul:
 @dataclass
 class StagePlan:
     """One pipeline stage: its blocks, parameters, memory terms (bytes per GPU, before the
-    margin) and FLOPs per microbatch on one GPU (backward including the recompute)."""
+    margin), FLOPs per microbatch on one GPU (backward including the recompute) and the NCCL
+    communicators its GPU holds."""
 
     stage: int
     layers: range
@@ -187,11 +255,18 @@ class StagePlan:
     memory: dict[str, float]
     fwd_flops: float
     bwd_flops: float
+    communicators: tuple[Communicator, ...] = ()
+
+    @property
+    def nccl_bytes(self) -> int:
+        """The communicators' buffers (``Communicator.buffer_bytes``)."""
+        return sum(c.buffer_bytes for c in self.communicators)
 
     @property
     def total_bytes(self) -> float:
-        """What must fit ``usable_memory_gib``: the terms with the 10% margin."""
-        return sum(self.memory.values()) * MARGIN
+        """What must fit ``usable_memory_gib``: the terms and NCCL's buffers with the 10%
+        margin."""
+        return (sum(self.memory.values()) + self.nccl_bytes) * MARGIN
 
 
 def block_matmuls(config, factored: bool) -> list[Matmul]:
@@ -339,6 +414,62 @@ def stage_cost(
     return memory, fwd, 2 * fwd + recompute_flops
 
 
+def stage_communicators(config, stage: int) -> tuple[Communicator, ...]:
+    """The NCCL communicators one GPU of ``stage`` holds (none on a CPU config: gloo): the
+    pipeline's (``_pipeline_communicators``) and a ring for each group of more than one rank
+    that runs collectives (FSDP over the shard and context-parallel ranks, the data-parallel
+    replicas' all-reduce, the loss's reduction over the data- and context-parallel ranks,
+    tensor parallelism, and the world: start-up's and the checkpoints' gathers)."""
+    if config.hardware.device != "cuda" or config.world_size < 2:
+        return ()
+    par = config.parallelism
+    pipelined = par.pipeline_parallel_degree > 1
+    groups = {
+        "FSDP": max(par.data_parallel_shard_degree, 1) * par.context_parallel_degree,
+        "data-parallel replicate": par.data_parallel_replicate_degree,
+        "loss": config.replicas * par.context_parallel_degree,
+        "tensor-parallel": par.tensor_parallel_degree,
+        "world": config.world_size,
+    }
+    rings = [Communicator(name, ring=True) for name, ranks in groups.items() if ranks > 1]
+    return (*(_pipeline_communicators(config, stage) if pipelined else []), *rings)
+
+
+def _pipeline_communicators(config, stage: int) -> list[Communicator]:
+    """A pipelined stage's communicators: a two-rank one per boundary and direction it touches
+    (``wire.boundary_groups``), the norm exchange's (``_norm_communicators``) and the pipeline
+    group's ring (the validation loss's broadcast, the metrics' all-gather)."""
+    stages = config.layout_stages
+    boundaries = [b for b in (stage - 1, stage) if 0 <= b < stages - 1]
+    communicators = [Communicator("boundary", local=_on_one_node(config, [b, b + 1]))
+                     for b in boundaries for _ in DIRECTIONS]  # fmt: skip
+    return [*communicators, *_norm_communicators(config, stage),
+            Communicator("pipeline", ring=True)]  # fmt: skip
+
+
+def _norm_communicators(config, stage: int) -> list[Communicator]:
+    """The norm exchange's communicators on ``stage`` (``wire.norm_exchange``; none without
+    ``[transport] exchange_grad_norm``): under ``Async1F1B`` a two-rank one per other stage and
+    direction (single ops on two groups), else one of the pipeline's ranks its batches send to
+    and receive from every other stage on."""
+    if not config.transport.exchange_grad_norm:
+        return []
+    stages = config.layout_stages
+    if config.parallelism.pipeline_parallel_schedule == ASYNC_SCHEDULE:
+        return [Communicator("norm exchange", local=_on_one_node(config, [stage, peer]))
+                for peer in range(stages) if peer != stage for _ in DIRECTIONS]  # fmt: skip
+    return [Communicator("norm exchange", directions=2, peers=stages - 1,
+                         local=_on_one_node(config, range(stages)))]  # fmt: skip
+
+
+def _on_one_node(config, stages) -> bool:
+    """Whether each pipeline's ranks of ``stages`` share one node (pipeline-outermost ranks:
+    stage ``s``'s ``j``-th rank is ``s R + j``, ``R`` ranks per stage)."""
+    per_stage = config.world_size // config.parallelism.pipeline_parallel_degree
+    gpus = config.hardware.gpus_per_node
+    return all(len({(s * per_stage + j) // gpus for s in stages}) == 1 for j in range(per_stage))
+
+
 def plan_stages(config) -> list[StagePlan]:
     """Per-stage parameters (from a meta-device model split as a run splits it), memory and
     FLOPs of ``config``'s layout."""
@@ -350,7 +481,8 @@ def plan_stages(config) -> list[StagePlan]:
     for s, layers in enumerate(ranges):
         params = sum(p.numel() for p in split_stage(model, s, stages).parameters())
         memory, fwd, bwd = stage_cost(config, s, len(layers), params)
-        plans.append(StagePlan(s, layers, params, memory, fwd, bwd))
+        plans.append(StagePlan(s, layers, params, memory, fwd, bwd,
+                               stage_communicators(config, s)))  # fmt: skip
     return plans
 
 
@@ -362,10 +494,11 @@ def propose_split(config, mfu: float) -> tuple[list[int], float, float] | None:
     _, n_mb, _ = microbatching(config)
     costs: dict[tuple[int, int], tuple[float, float]] = {}
     for s in range(n_stages):
+        nccl = sum(c.buffer_bytes for c in stage_communicators(config, s))
         for n in range(1, n_layers - n_stages + 2):
             memory, fwd, bwd = stage_cost(config, s, n, stage_params(config, s, n))
             seconds = compute_seconds(config, n_mb * (fwd + bwd), mfu)
-            costs[s, n] = (seconds, sum(memory.values()) * MARGIN)
+            costs[s, n] = (seconds, (sum(memory.values()) + nccl) * MARGIN)
 
     def seconds(s: int, n: int) -> float:
         time, total = costs[s, n]
@@ -412,6 +545,25 @@ def twin(config):
     other = copy.copy(config)
     mode = "subspace" if config.protocol.mode == "dense" else "dense"
     other.protocol = dataclasses.replace(config.protocol, mode=mode, stage_tables=False)
+    return other
+
+
+ASYNC_WEIGHT_PREDICTION = 1.0
+"""``[optimizer] weight_prediction`` that ``async_config`` sets where the config sets none: with
+it the asynchronous runs matched their synchronous twins' validation loss more closely than
+without (AdamW +2.90% without, -0.01% with, on the CPU reference workload: results/README.md,
+asynchronous pipeline)."""
+
+
+def async_config(config, hop: int):
+    """``config`` under ``Async1F1B`` at hop depth ``hop``, with the config's weight prediction
+    or else ``ASYNC_WEIGHT_PREDICTION``; not checked (as ``twin``): for its memory."""
+    other = copy.copy(config)
+    other.parallelism = dataclasses.replace(config.parallelism,
+                                            pipeline_parallel_schedule=ASYNC_SCHEDULE)  # fmt: skip
+    other.transport = dataclasses.replace(config.transport, async_hop_depth=hop)
+    prediction = config.optimizer.weight_prediction or ASYNC_WEIGHT_PREDICTION
+    other.optimizer = dataclasses.replace(config.optimizer, weight_prediction=prediction)
     return other
 
 

@@ -5,13 +5,16 @@
         [--mfu F] [--propose-split] [--ratio R] [overrides]
 
 Prints, from the cost model (``cluster.plan``) on the cluster's network (``cluster.network``):
-the layout and per stage its parameters, memory terms, fit and compute; the wire bytes per
-boundary; the predicted step of the configured model next to its twin (dense for a subspace or
-lossy mode, subspace for dense) split into its terms, with the configured run's hours,
-GPU-hours and tokens; then the advice (``cluster.advice``): how the run's length moves with the
-assumed MFU, a flag for a lopsided stage, a layout giving more tokens per GPU-hour, the disk
-each node needs for its checkpoints, and, where a stage does not fit, the remedies ranked by
-the memory they leave. Exits 1 if a stage does not fit, 2 on bad input.
+the layout and per stage its parameters, memory terms, fit and compute, and the NCCL
+communicators its GPU holds with their buffers (an estimate); the wire bytes per boundary; the
+predicted step of the configured model next to its twin (dense for a subspace or lossy mode,
+subspace for dense) split into its terms, with the configured run's hours, GPU-hours and tokens,
+and the ``Async1F1B`` step of the same stages; what that prediction assumes, the config check's
+refusal where it does not run the layout, and the schedule it recommends; then the advice
+(``cluster.advice``): how the run's length moves with the assumed MFU, a flag for a lopsided
+stage, a layout giving more tokens per GPU-hour, the disk each node needs for its checkpoints,
+and, where a stage does not fit, the remedies ranked by the memory they leave. Exits 1 if a
+stage does not fit, 2 on bad input.
 
 ``--ratio R`` chooses k for a requested compression (``subspace`` and ``projected`` modes): the
 widest wire whose 8-bit coordinates are at least R times fewer boundary bytes than dense, since
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
@@ -53,7 +57,10 @@ from protocol_models.cluster.network import (
 from protocol_models.cluster.plan import (
     ASSUMED_PEAK_TFLOPS,
     GIB,
+    NCCL_CHANNELS,
+    NCCL_VERSION,
     StagePlan,
+    async_config,
     fsdp_bytes,
     fsdp_seconds,
     microbatching,
@@ -69,10 +76,15 @@ from protocol_models.config.run_config import check_async, load_config, split_ar
 from protocol_models.model.boundary import BOUNDARIES, label
 from protocol_models.tools.errors import UserError
 from protocol_models.wire import codec_for
+from protocol_models.wire.async_schedule import ASYNC_SCHEDULE
 from protocol_models.wire.transport import LOSSY_LINK
 
 DEFAULT_MFU = 0.4
 """The fraction of the peak the planner assumes unless given ``--mfu``."""
+MIB = 1024**2
+ASYNC_SETTINGS = (("parallelism", "pipeline_parallel_schedule"), ("transport", "async_hop_depth"),
+                  ("optimizer", "weight_prediction"))  # fmt: skip
+"""The ``(table, key)`` settings ``plan.async_config`` changes."""
 
 
 def mode_label(config) -> str:
@@ -137,6 +149,7 @@ def render(
     _, n_mb, _ = microbatching(config)
     ac = config.activation_checkpoint
     ac_name = {FullAC.Config: "full", SelectiveAC.Config: "selective"}.get(type(ac), "none")
+    nccl_column = ["NCCL"] if any(p.communicators for p in plans) else []
     lines = [
         f"model: d={arch.dim}, {arch.n_layers} layers, vocab {arch.vocab_size}, "
         f"{mode_label(config)}",
@@ -151,20 +164,21 @@ def render(
         *_assumed_peak(hw),
         network,
         "",
-        "memory per GPU in GiB (fits: total incl. CUDA context x 1.10 <= "
+        "memory per GPU in GiB (fits: total incl. CUDA context and NCCL buffers x 1.10 <= "
         f"{hw.usable_memory_gib:g}); compute per GPU per step at MFU {mfu:g}",
         "",
         "| stage | layers | ranks (nodes) | params | "
-        + " | ".join(plans[0].memory)
+        + " | ".join([*plans[0].memory, *nccl_column])
         + " | total x1.10 | fits | TFLOP/step | compute s/step |",
-        "|---" * (8 + len(plans[0].memory)) + "|",
+        "|---" * (8 + len(plans[0].memory) + len(nccl_column)) + "|",
     ]
     for p, seconds in zip(plans, stage_seconds(config, plans, mfu), strict=True):
         first_rank = p.stage * dp * par.tensor_parallel_degree
         last_rank = first_rank + dp * par.tensor_parallel_degree - 1
         nodes = f"{first_rank // hw.gpus_per_node}-{last_rank // hw.gpus_per_node}"
         fits = p.total_bytes <= hw.usable_memory_gib * GIB
-        mem = " | ".join(f"{v / GIB:.2f}" for v in p.memory.values())
+        terms = [*p.memory.values(), *([p.nccl_bytes] if nccl_column else [])]
+        mem = " | ".join(f"{v / GIB:.2f}" for v in terms)
         flops = n_mb * (p.fwd_flops + p.bwd_flops)
         lines.append(
             f"| {p.stage} | {p.layers.start}-{p.layers.stop - 1} "
@@ -172,6 +186,7 @@ def render(
             f"| {p.total_bytes / GIB:.2f} | {'yes' if fits else 'NO'} "
             f"| {flops / 1e12:,.1f} | {seconds:.2f} |"
         )
+    lines += nccl_lines(plans)
     spanning = [p for p in plans if fsdp_seconds(config, p, region)]
     if spanning:
         biggest = max(spanning, key=lambda p: p.params)
@@ -216,18 +231,101 @@ def render(
          lambda r: f"{run_figures(config, r['step_s']).hours:,.1f} h"),
         ("the run's GPU-hours", lambda r: f"{run_figures(config, r['step_s']).gpu_hours:,.0f}"),
         ("Async1F1B: hop depth (needed for no wait)",
-         lambda r: f"{r['async']['hop']} ({r['async']['hop_needed']})" if r["async"] else "n/a"),
-        ("Async1F1B: steady step (M periods)",
-         lambda r: f"{r['async']['steady_s']:.2f} s" if r["async"] else "n/a"),
-        ("+ flushes (fill and drain, per step)",
-         lambda r: f"{r['async']['flushes_s']:.2f} s" if r["async"] else "n/a"),
-        ("= Async1F1B step", lambda r: f"{r['async']['step_s']:.2f} s" if r["async"] else "n/a"),
-        (f"Async1F1B tokens/s ({world} GPUs)",
-         lambda r: f"{r['async']['tokens_per_s']:,.0f}" if r["async"] else "n/a"),
+         lambda r: f"{r['async']['hop']} ({r['async']['hop_needed']})"),
+        ("Async1F1B: steady step (M periods)", lambda r: f"{r['async']['steady_s']:.2f} s"),
+        ("+ flushes (fill and drain, per step)", lambda r: f"{r['async']['flushes_s']:.2f} s"),
+        ("= Async1F1B step", lambda r: f"{r['async']['step_s']:.2f} s"),
+        (f"Async1F1B tokens/s ({world} GPUs)", lambda r: f"{r['async']['tokens_per_s']:,.0f}"),
     ]  # fmt: skip
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join(cell(r) for r in predictions.values()) + " |")
     return "\n".join(lines)
+
+
+def nccl_lines(plans: list[StagePlan]) -> list[str]:
+    """The memory table's NCCL lines (none on a CPU config): per set of communicators, the
+    stages whose GPUs hold it and each one's buffers (``Communicator.buffer_bytes``, an
+    estimate)."""
+    if not any(p.communicators for p in plans):
+        return []
+    holders: dict[tuple, list[int]] = {}
+    for p in plans:
+        holders.setdefault(p.communicators, []).append(p.stage)
+    lines = ["", f"NCCL buffers per GPU, estimated from NCCL {NCCL_VERSION}'s defaults at "
+             f"{NCCL_CHANNELS} channels per communicator and counted on the GPU (an upper bound: "
+             "without GPUDirect RDMA, as over sockets, NCCL keeps network buffers in pinned host "
+             "memory):"]  # fmt: skip
+    for communicators, stages in holders.items():
+        items = [(f"{n} x " if n > 1 else "") + f"{c.buffer_bytes / MIB:.1f} MiB {c.describe()}"
+                 for c, n in Counter(communicators).items()]  # fmt: skip
+        total = sum(c.buffer_bytes for c in communicators)
+        word = "stages" if len(stages) > 1 else "stage"
+        lines.append(f"  {word} {_ranges(stages)}: {', '.join(items)} = {total / MIB:.1f} MiB")
+    return lines
+
+
+def async_refusal(config) -> str | None:
+    """Why the config check refuses ``Async1F1B`` on ``config``'s layout
+    (``run_config.check_async``, which names one reason at a time), or None."""
+    try:
+        check_async(config)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def async_assumptions(config) -> str:
+    """The line saying what the Async1F1B rows assume."""
+    validator, ckpt = config.validator, config.checkpoint
+    flushes = [f"validation every {validator.freq:,} steps"] if validator.enable else []
+    flushes += [f"a checkpoint every {ckpt.interval:,}"] if ckpt.enable else []
+    return ("Async1F1B rows assume: one-step-delayed updates (each step applies the previous "
+            "step's gradient; every stage keeps two weight versions); no fill and drain except "
+            f"at flushes ({', '.join([*flushes, 'the last step'])}); one GPU per stage (no "
+            "FSDP, data-, tensor- or context-parallel ranks) and no activation checkpointing, "
+            "as the config check requires; the same links and transport as the synchronous "
+            "rows; a prediction, not measured on GPUs")  # fmt: skip
+
+
+def recommend(config, prediction: dict, refusal: str | None) -> str:
+    """The schedule the planner recommends for the configured model (its ``prediction``):
+    ``Async1F1B`` where the config check allows the layout, its stages fit under it
+    (``async_config``) and it is predicted faster; else the synchronous one."""
+    schedule = config.parallelism.pipeline_parallel_schedule
+    synchronous = "GPipe" if schedule == ASYNC_SCHEDULE else schedule
+    if refusal:
+        return (f"recommended schedule: {synchronous}: Async1F1B does not run this layout "
+                "(above)")  # fmt: skip
+    predicted, step = prediction["async"], prediction["step_s"]
+    variant = async_config(config, predicted["hop"])
+    largest = max(plan_stages(variant), key=lambda p: p.total_bytes)
+    usable = config.hardware.usable_memory_gib
+    if largest.total_bytes > usable * GIB:
+        return (f"recommended schedule: {synchronous}: under Async1F1B stage {largest.stage} "
+                f"would need {largest.total_bytes / GIB:.2f} GiB with the margin, more than "
+                f"{usable:g}")  # fmt: skip
+    if predicted["step_s"] >= step:
+        return (f"recommended schedule: {synchronous}: Async1F1B is predicted no faster "
+                f"({predicted['step_s']:.2f} s against {step:.2f} s per step)")  # fmt: skip
+    return (
+        f"recommended schedule: Async1F1B, predicted {predicted['step_s']:.2f} s per step "
+        f"against {synchronous}'s {step:.2f} s ({step / predicted['step_s']:.2f}x the tokens "
+        f"per GPU-hour): {' '.join(async_overrides(config, variant))}; under it the largest "
+        f"stage needs {largest.total_bytes / GIB:.2f} GiB with the margin ({usable:g} "
+        "usable); its loss against the synchronous schedule's is measured only on the CPU "
+        "reference workload (results/README.md#asynchronous-pipeline-resultsasync)"
+    )
+
+
+def async_overrides(config, variant) -> list[str]:
+    """The overrides that turn ``config`` into ``variant`` (``plan.async_config``)."""
+    overrides = []
+    for table, key in ASYNC_SETTINGS:
+        value = getattr(getattr(variant, table), key)
+        if getattr(getattr(config, table), key) != value:
+            text = f"{value:g}" if isinstance(value, float) else str(value)
+            overrides += [f"--{table}.{key}", text]
+    return overrides
 
 
 def advise(config, plans: list[StagePlan], prediction: dict, variant, links_for, mfu: float,
@@ -455,27 +553,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     plans = plan_stages(config)
-    predictions, async_refused = {}, None
+    predictions = {}
     for c in sorted([config, twin(config)], key=lambda c: c.protocol.mode != "dense"):
         p = plans if c is config else plan_stages(c)
         sync = predict_step(c, p, links, known.mfu, local)
-        try:
-            check_async(c)
-            sync["async"] = predict_async_step(c, p, sync, links, known.mfu)
-        except UserError as e:
-            sync["async"], async_refused = None, str(e)
+        sync["async"] = predict_async_step(c, p, sync, links, known.mfu)
         predictions[mode_label(c)] = sync
     local_assumed = known.region_bandwidth_mbps is None or known.region_latency_ms is None
     fsdp = any(fsdp_seconds(config, p, local) for p in plans)
     network = describe_network(links, local, local_assumed, source, fsdp, regions is not None)
     print(render(config, plans, wire_plan(config), predictions, network, local, known.mfu))
-    if async_refused:
-        print(f"\nAsync1F1B is not predicted for this layout: {async_refused}")
+    refusal = async_refusal(config)
+    print(f"\n{async_assumptions(config)}")
+    if refusal:
+        print(f"\nAsync1F1B does not run this layout, so its rows above time these stages as if "
+              f"it did (without any FSDP collectives): {refusal}")  # fmt: skip
+    mine = predictions[mode_label(config)]
+    print(f"\n{recommend(config, mine, refusal)}")
     if slow.loss >= LOSSY_LINK:
         print(f"\npacket loss {100 * slow.loss:g}%: the steps above are TCP CUBIC's; at this loss "
               "the config check asks for BBR, which measured faster on a real link losing 1% "
               "(docs/multinode.md#packet-loss) and is not modelled")  # fmt: skip
-    mine = predictions[mode_label(config)]
     for paragraph in advise(config, plans, mine, variant, links_for, known.mfu, local,
                             known.propose_split):  # fmt: skip
         print(f"\n{paragraph}")

@@ -1,16 +1,21 @@
 """Preflight: the checks of a config against this machine, before any worker starts.
 
-The data (every part the run reads opens and holds text), the tokenizer (present, fits
-``model.vocab_size``, names an EOS token), a writable dump folder, a wandb API key when wandb
-logs online, the C compiler and Python headers flex attention compiles with, a GPU whose shared
-memory fits the flex kernel Inductor would build and, when the run would resume, a checkpoint
-of this model's shapes. Each failure is one ``ConfigError`` line.
+The launch environment (``NNODES``, ``NGPU``, ``NODE_RANK``, ``MASTER_ADDR``: the layout's
+processes, this node's place, a private rendezvous address), the data (every part the run reads
+opens and holds text), the tokenizer (present, fits ``model.vocab_size``, names an EOS token), a
+writable dump folder, a wandb API key when wandb logs online, the C compiler and Python headers
+flex attention compiles with, a GPU whose shared memory fits the flex kernel Inductor would build
+and, when the run would resume, a checkpoint of this model's shapes. Each failure is one
+``ConfigError`` line.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 from protocol_models.model.subspace import read_basis
@@ -20,16 +25,18 @@ from protocol_models.training.trainer import ProtocolTrainer
 
 def validate_environment(config: ProtocolTrainer.Config, *, worker: bool = False) -> None:
     """Checks against the file system: the basis file, data, tokenizer, dump folder, checkpoint
-    to resume. The bundled Shakespeare data, when read and not yet prepared, is left to
-    ``scripts/train.sh`` (which prepares it after its check, before the workers start); in a
-    ``worker`` nothing prepares it any more, so there it is one line naming the prepare command
-    (not TorchTitan's traceback about the missing tokenizer)."""
+    to resume; outside a ``worker`` (the launcher's check) first the launch environment
+    (``check_launch_environment``). The bundled Shakespeare data, when read and not yet
+    prepared, is left to ``scripts/train.sh`` (which prepares it after its check, before the
+    workers start); in a ``worker`` nothing prepares it any more, so there it is one line naming
+    the prepare command (not TorchTitan's traceback about the missing tokenizer)."""
     from protocol_models.data import corpus
     from protocol_models.data import loader as data
-    from protocol_models.tools import cpu_shim, nccl_rules
+    from protocol_models.tools import cpu_shim
 
+    if not worker:  # first: later checks read NNODES and NODE_RANK
+        check_launch_environment(config)
     cpu_shim.check_device(config.hardware.device, cpu_shim.launch_device())
-    nccl_rules.mode()  # a bad PM_NCCL_RULES is one line here, not in every worker
     if config.protocol.basis_file:
         read_basis(config.protocol.basis_file, config.model.dim, config.protocol.k)
     pending = data.bundled_data_pending(config)
@@ -45,11 +52,6 @@ def validate_environment(config: ProtocolTrainer.Config, *, worker: bool = False
     if not (pending and data.is_bundled_path(config.hf_assets_path)):
         _check_tokenizer(config)
     _check_writable(config.dump_folder)
-    if not worker:
-        from protocol_models.tools.interfaces import public_address_problem
-
-        problem = public_address_problem()
-        require(problem is None, problem or "")
     if config.model.attention == "flex":
         check_flex_toolchain()
         check_flex_shared_memory(config)
@@ -59,6 +61,98 @@ def validate_environment(config: ProtocolTrainer.Config, *, worker: bool = False
     _check_resumable(config)
     if config.dataloader.hf_dataset and "LOCAL_RANK" not in os.environ:
         corpus.check_hub_dataset(config.dataloader.hf_dataset)
+
+
+def check_launch_environment(
+    config: ProtocolTrainer.Config, env: Mapping[str, str] = os.environ
+) -> None:
+    """The values ``scripts/train.sh`` launches with, against the config's layout: ``NNODES``
+    and the processes per node (``_check_processes``), ``NODE_RANK`` (``_check_node_rank``) and,
+    on a job of several nodes, ``MASTER_ADDR`` (``_check_master_addr``), which must not be
+    public (``public_address_problem``). ``REGION`` may be anything or unset (then a node's
+    region is its host name). Each failure is one ``ConfigError`` line ``KEY=value: ...``."""
+    from protocol_models.tools.interfaces import public_address_problem
+
+    nodes = _whole_number("NNODES", env.get("NNODES") or "1", 1, "the number of nodes")
+    _check_processes(config, env, nodes)
+    _check_node_rank(env, nodes)
+    if nodes > 1:
+        _check_master_addr(env, nodes)
+    problem = public_address_problem(env)
+    require(problem is None, problem or "")
+
+
+def _whole_number(key: str, value: str, minimum: int, what: str) -> int:
+    """``value`` of ``key`` as a number: digits only and no leading zero, as the bash arithmetic
+    and comparisons of ``scripts/train.sh`` need it."""
+    require(
+        re.fullmatch(r"0|[1-9][0-9]*", value) and int(value) >= minimum,
+        f"{key}={value}: must be a whole number >= {minimum} ({what})",
+    )
+    return int(value)
+
+
+def _check_processes(config: ProtocolTrainer.Config, env: Mapping[str, str], nodes: int) -> None:
+    """``nodes`` x the processes per node (``NGPU``, else ``NPROC_PER_NODE``, else
+    ``scripts/train.sh``'s default: ``config.world_size`` / ``NNODES``) must be the layout's
+    ``config.world_size`` -- or a multiple of it with ``data_parallel_shard_degree = -1``, which
+    TorchTitan sets to the ranks left over. Otherwise TorchTitan refuses the mesh in every
+    worker."""
+    par, needed = config.parallelism, config.world_size
+    spare = par.data_parallel_shard_degree == -1
+    layout = (
+        f"the config's layout needs {needed} processes (pipeline_parallel_degree "
+        f"{par.pipeline_parallel_degree} x data-parallel {config.replicas} x "
+        f"tensor_parallel_degree {par.tensor_parallel_degree})"
+        + (" or a multiple (data_parallel_shard_degree = -1 shards over the rest)" if spare else "")
+    )
+    key = next((k for k in ("NGPU", "NPROC_PER_NODE") if env.get(k)), None)
+    if key is None:
+        require(
+            needed % nodes == 0,
+            f"NNODES={nodes}: {layout}, which {nodes} nodes cannot share equally (the default "
+            f"NGPU is {needed} / NNODES); use an NNODES that divides {needed}"
+            + (", or set NGPU" if spare else ""),
+        )
+        return
+    per_node = _whole_number(key, env[key], 1, "processes per node")
+    world = nodes * per_node
+    fix = (
+        f"set {key}={needed // nodes}"
+        if needed % nodes == 0
+        else f"use an NNODES that divides {needed}"
+    )
+    require(
+        world == needed or (spare and world % needed == 0),
+        f"{key}={per_node}: NNODES={nodes} x {key}={per_node} = {world} processes, but {layout}; "
+        f"{fix}",
+    )
+
+
+def _check_node_rank(env: Mapping[str, str], nodes: int) -> None:
+    """``NODE_RANK``, this node's place (its global ranks and so its pipeline stages), is one of
+    ``0 … NNODES − 1``; it must be given when there are several nodes (one node: default 0)."""
+    value = env.get("NODE_RANK") or ("0" if nodes == 1 else "(unset)")
+    require(
+        value in {str(n) for n in range(nodes)},
+        f"NODE_RANK={value}: must be one of 0..{nodes - 1} (NNODES={nodes}): this node's place "
+        "in the job, a different one on each node",
+    )
+
+
+def _check_master_addr(env: Mapping[str, str], nodes: int) -> None:
+    """A job of several nodes meets at ``MASTER_ADDR`` (node 0, which hosts the rendezvous
+    store): it must be given, and resolve on this node."""
+    value = env.get("MASTER_ADDR")
+    where = (
+        f"with NNODES={nodes} every node needs node 0's address (the rendezvous), the same on "
+        "each: its private or overlay address (docs/multinode.md)"
+    )
+    require(value, f"MASTER_ADDR=(unset): {where}")
+    try:
+        socket.getaddrinfo(value, None)
+    except (socket.gaierror, UnicodeError):
+        raise ConfigError(f"MASTER_ADDR={value}: does not resolve on this node; {where}") from None
 
 
 def unprepared_bundled_data(config: ProtocolTrainer.Config) -> str:

@@ -28,6 +28,7 @@ import os
 import sys
 from typing import Any
 
+import torch
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -231,6 +232,7 @@ def validate(config: ProtocolTrainer.Config) -> None:
     )
     if par.pipeline_parallel_schedule == ASYNC_SCHEDULE:
         check_async(config)
+    nccl_rules.check_device(config.hardware.device)
     for key in ("delay_compensation", "weight_prediction"):
         value = getattr(config.optimizer, key)
         require(
@@ -250,11 +252,12 @@ def check_async(config: ProtocolTrainer.Config) -> None:
     with the reason."""
     par, protocol, training = config.parallelism, config.protocol, config.training
     pp, name = par.pipeline_parallel_degree, "parallelism.pipeline_parallel_schedule = 'Async1F1B'"
-    nccl = config.hardware.device == "cuda" or nccl_rules.enabled()
     require(
-        pp == 1 or not nccl,
-        f"{name} runs on CPU (gloo) only: on NCCL its batched sends and its pre-posted single "
-        "receives would run on different communicators, which never match; use GPipe or 1F1B",
+        pp == 1 or tuple(map(int, torch.__version__.split(".")[:2])) < (2, 15),
+        f"{name} needs torch 2.14 (this is {torch.__version__}): from 2.15 a pipeline stage owns "
+        "each receive buffer until its microbatch's step is complete and refuses a receive "
+        "posted into it earlier, and this schedule posts the next batch's receives while the "
+        "last batch's backwards still trail; use GPipe or 1F1B",
     )
     for key in ("data_parallel_replicate_degree", "data_parallel_shard_degree",
                 "tensor_parallel_degree", "context_parallel_degree"):  # fmt: skip

@@ -9,7 +9,7 @@ trainer): it imports ``torchtitan.tools.utils`` alone and, when the launch asks 
 (``PROTOCOL_MODELS_DEVICE=cpu``, which ``scripts/train.sh`` sets for ``[hardware] device =
 "cpu"``) or no accelerator exists, rebinds the two names to ``"cpu"`` and a small stand-in for
 ``torch.cuda``'s device-module interface. It is the one assignment to another package's
-attribute outside the NCCL-rules test mode (``tools.nccl_rules``); the tests pin both.
+attribute; the tests pin it.
 
 Binding is not permission: ``check_device`` (run by the config check, before any worker, and in
 every worker) refuses to train on the CPU unless the config says ``[hardware] device = "cpu"``,
@@ -26,6 +26,7 @@ import types
 
 import torch
 
+from protocol_models.tools import nccl_rules
 from protocol_models.tools.errors import ConfigError
 
 _PATCHED_AFTER = "torchtitan.trainer"
@@ -39,15 +40,17 @@ def _peak_rss_stats(device=None) -> dict[str, int]:
 
 
 def _cpu_device_module() -> types.SimpleNamespace:
-    """The subset of a ``torch.cuda``-like module that TorchTitan calls."""
+    """The subset of a ``torch.cuda``-like module that TorchTitan calls. Its device-wide waits
+    (``synchronize``, ``empty_cache``) wait for nothing on the CPU, except under the NCCL
+    emulation (``tools.nccl_rules``, rule R6): for every point-to-point op still pending."""
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return types.SimpleNamespace(
         set_device=lambda device: None,
         current_device=lambda: 0,
         device_count=lambda: 1,
         is_available=lambda: True,
-        synchronize=lambda device=None: None,
-        empty_cache=lambda: None,
+        synchronize=lambda device=None: nccl_rules.device_wide_wait(),
+        empty_cache=nccl_rules.device_wide_wait,  # CUDA's frees cached blocks: a device sync
         get_device_name=lambda device=None: "cpu",
         get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=total_memory),
         memory_stats=_peak_rss_stats,

@@ -13,6 +13,9 @@ Dropped, each for a reason a user of this plugin would otherwise chase:
 * "initial_load_model_only=True has no effect": a TorchTitan default no TOML sets;
 * "Sleeping 2 seconds for other ranks to complete": rank 0 still sleeps, but the ranks meet
   in a barrier before the process group goes anyway (``protocol_models.train``);
+* "torch.distributed is already initialized. Skipping init_distributed ... will not take
+  effect": under the CPU emulation of NCCL (``tools.nccl_rules``) the trainer creates the world
+  group first, on purpose, and does what TorchTitan's set-up would do on CPU;
 * Python warnings "DTensor random operators may not have complete support on cpu device mesh"
   (no random op runs on a DTensor here) and torchdata's "'set_vital' is deprecated".
 """
@@ -31,6 +34,7 @@ MISLEADING_LOG_LINES = (
     "Peak FLOPS used for computing MFU",
     "initial_load_model_only=True has no effect",
     "Sleeping 2 seconds for other ranks to complete",
+    "torch.distributed is already initialized. Skipping init_distributed",
 )
 MISLEADING_WARNINGS = (
     "DTensor random operators may not have complete support on cpu",

@@ -42,6 +42,7 @@ from torchtitan.trainer import Trainer
 from protocol_models.data.loader import TextDataLoader
 from protocol_models.model.loss import ModelLoss
 from protocol_models.model.model import ModelArch, build_model_spec
+from protocol_models.tools import nccl_rules
 from protocol_models.tools.errors import StartupError, as_link_fault
 from protocol_models.training import run_record
 from protocol_models.training.console import Progress
@@ -143,9 +144,11 @@ class ProtocolTrainer(Trainer):
         if dims.pp_enabled and not dims.ep_enabled and config.transport.exchange_grad_norm:
             group = self.parallel_dims.get_mesh("pp").get_group()
             ranks = dist.get_process_group_ranks(group)
+            asynchronous = config.parallelism.pipeline_parallel_schedule == ASYNC_SCHEDULE
             self.norm_exchange = NormExchange(ranks, self.device, self.wire.meter, self.wire.link,
                                               timeout=init_timeout(config),
-                                              batched=follows_nccl(group))  # fmt: skip
+                                              nccl=follows_nccl(group),
+                                              asynchronous=asynchronous)  # fmt: skip
         self._steps_run = 0
         """Steps this process has trained (a resumed run starts again at 0)."""
         self.delayed = self._delayed_updates()
@@ -239,6 +242,8 @@ class ProtocolTrainer(Trainer):
         one's cold compile (flex attention at max-autotune: minutes) while the others wait in a
         receive -- so until it ends every group, the plugin's own included
         (``plugin_groups``), gets the init timeout; then the train timeout (``train_step``)."""
+        if nccl_rules.enabled():  # the CPU test of the NCCL path: its backend, not gloo
+            nccl_rules.init_process_group(init_timeout(self.config))
         parallel_dims = super().init_distributed()
         if dist.is_initialized():
             for mesh in parallel_dims.get_all_one_dimensional_meshes().values():
@@ -353,8 +358,8 @@ class ProtocolTrainer(Trainer):
         if self.delayed is not None:
             flush = self.flush_after_step()
             self.delayed.begin(self.step, flush)
-            if self.parallel_dims.pp_enabled:
-                self.pp_schedule.begin(self.step, flush)
+            if self.parallel_dims.pp_enabled:  # TorchTitan waits for the device after step 1
+                self.pp_schedule.begin(self.step, flush, drain=flush or self._steps_run == 0)
         # Async1F1B: a log step between flushes gathers its rows without stopping the pipeline
         self.metrics_processor.gather_later = not flush and self.parallel_dims.pp_enabled
         rows = measure and self._rows_travel_with_norm()

@@ -25,17 +25,29 @@ the end of step ``t``), each stage forwards batch ``t`` with weight version ``t 
 ``gradients_ready(t)`` right after its last backward of batch ``t`` (its local gradient norm
 can travel then).
 
-``flush`` (set by the trainer before each training step through ``begin``): the call runs the
-stage's trailing backwards of its own batch too, so the pipeline is empty after it (before a
-checkpoint, a validation, a subspace update or the last step). The first call, and every call
-after a flush, has no backwards of an earlier batch to run. Forward-only calls (``eval``) run
-the forwards in order and need an empty pipeline.
+``drain`` (set by the trainer before each training step through ``begin``): the call runs the
+stage's trailing backwards of its own batch too, posts nothing for the next call and waits for
+all its sends, so that no pipeline message is outstanding after it (the batch's gradient norms
+may be: every stage sent its own in the call). The trainer drains at every ``flush`` (a
+checkpoint, a validation, a subspace update or the last step: every pending gradient is applied
+then, and the next call starts both weight versions afresh) and at the first step of every
+process: TorchTitan waits for the whole device after that step, and on NCCL a send whose
+receive is not posted yet is a kernel that wait would wait for, while its receiver waits in the
+same place before it posts it -- a deadlock. A drain without a flush changes no number: batch
+``t``'s gradient
+is the same whether its last backwards run in its own call or the next (each differentiates the
+weight version its forward used), and it is applied at the end of step ``t + 1`` either way. The
+first call, and every call after a drain, has no backwards of an earlier batch to run.
+Forward-only calls (``eval``) run the forwards in order and need an empty pipeline.
 
 Receives: all of a training call's receives (its batch's activations and gradients) are posted
-at its start, into the wire's own buffers (``WirePipelineStage`` in asynchronous mode), and each
-is waited right before its compute; sends are fired at once and waited two calls later (under
-gloo's receiver-driven transport a send completes only when its receive was posted), all of them
-at a flush.
+at its start (on NCCL each just in time instead, ``WirePipelineStage.enable_async``), into the
+wire's own buffers, and each is waited right before its compute; sends are fired at once, one
+single ``isend`` each on its
+boundary's group (on NCCL: a group per boundary and direction, each one sender's messages to one
+receiver, so a pending receive never holds a send and a send meets its receive on the same
+communicator), and waited two calls later (under gloo's receiver-driven transport a send
+completes only when its receive was posted), all of them at a drain.
 
 The schedule overrides ``PipelineScheduleSingle._step_microbatches``, the method torch's own
 single-stage schedules implement, and uses the base class's private helpers as they do:
@@ -96,7 +108,10 @@ class ScheduleAsync1F1B(PipelineScheduleSingle):
         self.batch = 0
         """The training step whose batch the next training call runs (``begin``)."""
         self.flush = True
-        """Whether the next training call drains the pipeline (``begin``)."""
+        """Whether the next training call is a flush: every pending gradient is applied after
+        it (``begin``)."""
+        self.drain = True
+        """Whether the next training call empties the wire (``begin``; every flush does)."""
         self.trailing: int | None = None
         """The batch whose last ``depth`` backwards the next call runs first (None: none)."""
         self.drained = True
@@ -107,9 +122,12 @@ class ScheduleAsync1F1B(PipelineScheduleSingle):
         self._sends: deque[tuple[int, list[dist.Work]]] = deque()
         stage.enable_async()
 
-    def begin(self, step: int, flush: bool) -> None:
-        """The next training call runs step ``step``'s batch; ``flush``: and drains after it."""
-        self.batch, self.flush = step, flush
+    def begin(self, step: int, flush: bool, drain: bool) -> None:
+        """The next training call runs step ``step``'s batch; ``drain``: it empties the wire;
+        ``flush``: every pending gradient is applied after it (a flush drains)."""
+        if flush and not drain:
+            raise ValueError(f"step {step}: a flush drains the pipeline")
+        self.batch, self.flush, self.drain = step, flush, drain
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):  # fmt: skip
@@ -125,7 +143,7 @@ class ScheduleAsync1F1B(PipelineScheduleSingle):
         first_target = target_mbs[0] if target_mbs is not None else None
         self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         stage, n = self._stage, self._n_microbatches
-        stage.post_batch_receives(next_forward=self._has_backward and not self.flush)
+        stage.post_batch_receives(next_forward=self._has_backward and not self.drain)
         if not self._has_backward:
             stage.forward_version = None
             for j in range(n):
@@ -145,11 +163,11 @@ class ScheduleAsync1F1B(PipelineScheduleSingle):
                 self._backward(j - w, batch)
             elif previous is not None:
                 self._backward(n + j - w, previous)
-        if self.flush:
+        if self.drain:
             for j in range(n - w, n):
                 self._backward(j, batch)
             self._trail(None)
-            self.drained = True
+            self.drained = self.flush
             self._wait_sends(keep=0)
             stage.check_drained()
         else:
@@ -178,9 +196,11 @@ class ScheduleAsync1F1B(PipelineScheduleSingle):
             self.gradients_ready(batch)
 
     def _fire(self, ops: list[dist.P2POp]) -> None:
+        """Send ``ops`` now, each a single ``isend`` on its own group (module docstring)."""
         if not ops:
             return
-        works = dist.batch_isend_irecv(ops)
+        works = [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+                 for op in ops]  # fmt: skip
         if self._sends and self._sends[-1][0] == self.batch:
             self._sends[-1][1].extend(works)
         else:

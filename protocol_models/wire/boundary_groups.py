@@ -13,11 +13,21 @@ where a stage's messages may travel:
 So on NCCL every boundary and direction gets a group of its own (``group(direction,
 boundary)``): each carries one sender's messages to one receiver, both in microbatch order, and
 nothing else, whichever communicator NCCL picks for it (torch's schedules split a batch that
-mixes groups into single ops per group). The groups are created over the pipeline's ranks by
-every stage in one order (``new_group`` with local synchronization, as the norm exchange's), and
-connected when the stage is built: every stage sends or receives one element on each of its
-groups in that same order (``connect``), so each set-up finds its peer there (the first pair in
-the order has both sides waiting at it) instead of blocking a stage in the middle of a step.
+mixes groups into single ops per group). The reasons are two:
+
+* full duplex: each direction has its own communicator, so its own issue order and its own
+  connection, and forward activations and backward gradients do not queue behind each other (a
+  stage's pending receive of a gradient never holds its next activation's send, nor the
+  reverse), both directions of a link carrying at once;
+* step-1 latency: every set-up is paid at start-up, not at a message in the middle of step 1.
+  The groups are created over the pipeline's ranks by every stage in one order (``new_group``
+  with local synchronization, as the norm exchange's), and connected when the stage is built:
+  every stage sends or receives one element on each of its groups in that same order
+  (``connect``), so each set-up finds its peer there (the first pair in the order has both sides
+  waiting at it). A set-up costs round trips (the communicator's bootstrap, then one TCP connect
+  per socket of its connection: ``scripts/multinode.env``), and for ``S >= 3`` stages these
+  set-ups run ``S + 1`` deep one after another (docs/multinode.md, the NCCL path).
+
 ``split_group``, which torch's own per-direction communicators use, needs a bound device that
 TorchTitan 0.3.0 does not give, and is not used.
 
@@ -37,8 +47,8 @@ DIRECTIONS = ("fwd", "bwd")
 
 def follows_nccl(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group``'s messages obey NCCL's rules: NCCL is among its backends (also
-    ``cuda:nccl,cpu:gloo``, TorchTitan's with CPU offload), or it reports so under
-    ``PM_NCCL_RULES``."""
+    ``cuda:nccl,cpu:gloo``, TorchTitan's with CPU offload, and ``nccl_rules``, the CPU emulation
+    under ``PM_NCCL_RULES``)."""
     return "nccl" in str(dist.get_backend(group))
 
 

@@ -256,11 +256,13 @@ class SimulatedLink:
     def stamp(device: torch.device) -> torch.Tensor:
         """The sender's clock ``[1]`` float64, packed into the message it goes with.
 
-        On an accelerator the data is produced asynchronously: the device is synchronized
-        first, so the stamp is the time the message is ready to leave, not the (earlier) time
-        its kernels were queued. (The simulator exists for benchmarks; the sync is its cost.)"""
+        On an accelerator the data is produced asynchronously: the current stream is
+        synchronized first, so the stamp is the time the message is ready to leave, not the
+        (earlier) time its kernels were queued. Only that stream: a device-wide wait would also
+        wait for the NCCL receives this stage has posted ahead, whose senders may need this very
+        message first. (The simulator exists for benchmarks; the sync is its cost.)"""
         if device.type != "cpu":
-            torch.accelerator.synchronize(device)
+            torch.accelerator.current_stream(device).synchronize()
         return torch.tensor([time.time()], dtype=torch.float64, device=device)
 
     def deliver(

@@ -20,25 +20,38 @@ latency. On a log step the stage's metrics row (``metrics._StageRow``) rides alo
 step needs no collective of its own: every stage then holds every stage's row (``rows``).
 Messages to higher-ranked stages travel on one group, to lower-ranked on another (gloo).
 
-On NCCL (``batched``) nothing is posted ahead: a receive pre-posted at the step's start would be
-the first op on its communicator, which NCCL creates (and connects) only when the sender joins it
--- at its clipping, after a pipeline step that needs the receiver: a deadlock; and a pending NCCL
-receive holds any device-wide synchronization until its message arrives. Instead every stage sends
-and receives its values in one ``batch_isend_irecv`` on one group of the pipeline's ranks at its
-clipping; the group is connected by one such batch when the exchange is built (every stage builds
-it at start-up), not in the middle of a step. By NCCL's source (not yet measured on GPUs) it costs
-the step nothing on its socket transport, which pushes a small send onto its TCP connection without
-waiting for the receive (``ncclNetSocketIsend``): the values of the stages that finished earlier
-wait in the first stage's socket buffers when it posts its batch, and the others wait one latency
-for its value while it starts the next step, as above. (Over InfiniBand a send waits for its
-receive to be posted: the first stage then waits one round trip for the others' values.)
+On NCCL a synchronous schedule posts nothing ahead (``batched``): a receive pre-posted at the
+step's start would be the first op on its communicator, which NCCL creates (and connects) only
+when the sender joins it -- at its clipping, after a pipeline step that needs the receiver: a
+deadlock; and a pending NCCL receive holds any device-wide wait (TorchTitan's after a process's
+first step) until its message arrives. Instead every stage sends and receives its values in one
+``batch_isend_irecv`` on one group of the pipeline's ranks at its clipping; the group is
+connected by one such batch when the exchange is built (every stage builds it at start-up), not
+in the middle of a step. torch runs a batch on NCCL as one coalesced group and returns one
+``Work`` for all of it (gloo: one per op), so the exchange waits for what it gets and indexes
+nothing. By NCCL's source (not yet measured on GPUs) it costs the step nothing on its socket
+transport, which pushes a small send onto its TCP connection without waiting for the receive
+(``ncclNetSocketIsend``): the values of the stages that finished earlier wait in the first
+stage's socket buffers when it posts its batch, and the others wait one latency for its value
+while it starts the next step, as above. (Over InfiniBand a send waits for its receive to be
+posted: the first stage then waits one round trip for the others' values.)
 
 Under the asynchronous schedule (``wire.async_schedule``) a batch's gradient is complete on a stage
 when its last backward of it is done, and applied a step later: ``post_batch(b)`` posts the
 receives of batch ``b``'s norms at the start of its step, ``send(b, n_s)`` sends this stage's as
 soon as its gradient is complete, and ``total(b)`` waits for the others' when the update is due.
 Two batches may be outstanding at once; every stage posts and sends them in batch order. No
-metrics row travels this way.
+metrics row travels this way. On NCCL (``nccl``) nothing is posted at the step's start:
+``send(b, n_s)`` posts the receives of ``b``'s norms together with this stage's sends. A
+receive pending on NCCL is a kernel that any device-wide wait (TorchTitan's after a process's
+first step, a compile's autotuning, a ``cudaFree``) waits for, so it may only be pending while its
+sender surely sends without this stage: every stage's last backward of ``b`` (where it sends)
+needs only gradients this stage has sent by then, or comes before this stage's. The values travel
+as single ops on the two groups, which run on one two-rank communicator per (group, pair), each
+carrying one sender's values to one receiver (with a bound device one communicator per group:
+every stage then issues its ops in the same rounds, ``_in_rounds``); every such communicator is
+created and connected when the exchange is built (``_connect_pairs``), not in the middle of a
+step.
 """
 
 from __future__ import annotations
@@ -53,6 +66,9 @@ from protocol_models.wire.link import SimulatedLink
 from protocol_models.wire.meter import WireMeter
 from protocol_models.wire.stage import Waiting
 
+Posted = tuple[int, torch.Tensor, dist.Work]
+"""A posted receive: ``(peer stage, its buffer, its work)``."""
+
 
 class NormExchange:
     """One pipeline's exchange of squared gradient norms (module docstring). ``ranks``: the
@@ -60,26 +76,32 @@ class NormExchange:
 
     def __init__(self, ranks: list[int], device: torch.device, meter: WireMeter,
                  link: SimulatedLink | None, timeout: timedelta | None = None,
-                 batched: bool = False):  # fmt: skip
+                 nccl: bool = False, asynchronous: bool = False):  # fmt: skip
         self.ranks, self.device, self.meter, self.link = ranks, device, meter, link
         if ranks != sorted(ranks):
             raise ValueError(f"pipeline ranks {ranks} are not in stage order")
         self.stage = ranks.index(dist.get_rank())
-        self.batched = batched
-        """NCCL: one batch of sends and receives at the clipping, nothing posted ahead."""
+        self.batched = nccl and not asynchronous
+        """NCCL under a synchronous schedule: one batch of sends and receives at the clipping,
+        nothing posted ahead."""
+        self.prepost = not nccl
+        """Whether the asynchronous schedule's receives are posted at its step's start (gloo)
+        or with this stage's own send (NCCL)."""
         self._groups = [
             dist.new_group(ranks, timeout=timeout, use_local_synchronization=True,
                            group_desc=f"grad_norm_exchange{i}")  # fmt: skip
-            for i in range(1 if batched else 2)
+            for i in range(1 if self.batched else 2)
         ]
         self._open = False
         """Whether ``post`` opened this step's exchange."""
-        self._receiving: list[tuple[int, float, dist.Work]] = []
+        self._receiving: list[tuple[int, float, dist.Work | _Batch]] = []
         """This step's receives not yet waited for: ``(peer stage, posted at, work)``."""
-        self._posted: list[tuple[int, torch.Tensor, dist.Work]] = []
-        if batched:
+        self._posted: list[Posted] = []
+        if self.batched:
             self._connect()
-        self._batches: dict[int, list[tuple[int, torch.Tensor, dist.Work]]] = {}
+        elif nccl:
+            self._connect_pairs()
+        self._batches: dict[int, list[Posted]] = {}
         self._batch_sends: dict[int, tuple[torch.Tensor, list[dist.Work]]] = {}
         self._row_width = 0
         self.rows: torch.Tensor | None = None
@@ -107,7 +129,7 @@ class NormExchange:
         else:
             self._posted = self._post_receives(2 + row_width)
 
-    def _post_receives(self, width: int) -> list[tuple[int, torch.Tensor, dist.Work]]:
+    def _post_receives(self, width: int) -> list[Posted]:
         """One receive of ``width`` float64 values from every other stage; counted."""
         posted = []
         for peer in range(len(self.ranks)):
@@ -153,17 +175,23 @@ class NormExchange:
         return total**0.5
 
     def post_batch(self, batch: int) -> None:
-        """Asynchronous schedule: post the receives of ``batch``'s norms (at its step's start)."""
-        if self.batched:
-            raise RuntimeError("the asynchronous schedule's norm exchange runs on gloo only")
+        """Asynchronous schedule: post the receives of ``batch``'s norms at its step's start
+        (on NCCL ``send`` posts them)."""
         if batch in self._batches:
             raise RuntimeError(f"the gradient norms of batch {batch} are already expected")
-        self._batches[batch] = self._post_receives(2)
+        if self.prepost:
+            self._batches[batch] = self._post_receives(2)
 
     def send(self, batch: int, local_norm: torch.Tensor) -> None:
-        """Asynchronous schedule: send this stage's norm of ``batch`` (its gradient is complete)."""
+        """Asynchronous schedule: send this stage's norm of ``batch`` (its gradient is complete;
+        on NCCL with the receives of the others', ``_in_rounds``)."""
         square = local_norm.detach() ** 2
-        self._batch_sends[batch] = (square, self._send_all(self._message(square, None)))
+        message = self._message(square, None)
+        if self.prepost:
+            self._batch_sends[batch] = (square, self._send_all(message))
+            return
+        self._batches[batch], sends = self._in_rounds(message)
+        self._batch_sends[batch] = (square, sends)
 
     def total(self, batch: int) -> torch.Tensor:
         """Asynchronous schedule: ``batch``'s global norm, in its local norm's dtype, once every
@@ -230,9 +258,66 @@ class NormExchange:
             received.append((peer, buffer))
             ops += [dist.P2POp(dist.isend, message, group=group, group_peer=peer),
                     dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer)]  # fmt: skip
-        works = dist.batch_isend_irecv(ops)
+        batch = _Batch(dist.batch_isend_irecv(ops))
         now = time.time()
-        self._receiving = [(peer, now, works[2 * i + 1]) for i, (peer, _) in enumerate(received)]
-        for work in works:
-            work.wait()
+        self._receiving = [(peer, now, batch) for peer, _ in received]
+        batch.wait()
         return received
+
+    def _connect_pairs(self) -> None:
+        """NCCL, asynchronous schedule: one value over every link (sender, receiver), so that
+        every pair communicator is created and connected here (``_in_rounds``: a set-up waits
+        only for its partner, who reaches it after the same rounds, so the ``S (S - 1)`` set-ups
+        take about ``S`` rounds; walking the links in plain order would chain them)."""
+        posted, sends = self._in_rounds(torch.zeros(2, dtype=torch.float64, device=self.device))
+        for work in [w for _, _, w in posted] + sends:
+            work.wait()
+
+    def _in_rounds(self, message: torch.Tensor) -> tuple[list[Posted], list[dist.Work]]:
+        """NCCL, asynchronous schedule: ``message`` to every other stage and a receive of theirs
+        from each, as single ops issued in the rounds of a round robin (``round_robin``), the
+        same order on every stage: on a communicator several stages share (a bound device) the
+        earliest op not yet done then always has both its sides at the head of their queues, so
+        one communicator's issue order never closes a cycle. ``(posted receives, sends)``."""
+        posted, sends = [], []
+        for first, second in round_robin(len(self.ranks)):
+            for sender, receiver in ((first, second), (second, first)):
+                group = self._group(sender, receiver)
+                if self.stage == sender:
+                    sends.append(dist.isend(message, group=group, group_dst=receiver))
+                elif self.stage == receiver:
+                    buffer = torch.empty_like(message)
+                    work = dist.irecv(buffer, group=group, group_src=sender)
+                    posted.append((sender, buffer, work))
+        self.meter.collective("grad_norm", 1)
+        self._receiving = [(peer, time.time(), work) for peer, _, work in posted]
+        return posted, sends
+
+
+def round_robin(n: int) -> list[tuple[int, int]]:
+    """Every pair of ``0 .. n - 1`` once, ``(lower, higher)``, in the rounds of the circle method
+    (in each round every number is in at most one pair), round after round."""
+    players = list(range(n)) + ([None] if n % 2 else [])
+    pairs = []
+    for _ in range(len(players) - 1):
+        half = len(players) // 2
+        for a, b in zip(players[:half], reversed(players[half:]), strict=True):
+            if a is not None and b is not None:
+                pairs.append((min(a, b), max(a, b)))
+        players = [players[0], players[-1], *players[1:-1]]
+    return pairs
+
+
+class _Batch:
+    """The ``Work``s of one ``batch_isend_irecv``: one for the whole batch on NCCL (torch's
+    coalescing manager), one per op on gloo; complete when all of them are."""
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()

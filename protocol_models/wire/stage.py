@@ -37,8 +37,9 @@ gradients, for ever. Over NCCL's socket transport a message does not wait for it
 receive posted late costs nothing there (``wire.norm_exchange``). gloo matches each send to its
 receive by peer and tag, with no shared queue, and keeps the pipeline's group.
 
-Asynchronous mode (``enable_async``, for ``wire.async_schedule``): the schedule posts each
-training call's receives itself (``post_batch_receives``), a message may be expected for the same
+Asynchronous mode (``enable_async``, for ``wire.async_schedule``): on gloo the schedule posts
+each training call's receives itself (``post_batch_receives``; on NCCL each is posted just in
+time, when its microbatch is consumed, as above), a message may be expected for the same
 microbatch id of two batches at once (kept in order: both sides send and post in global
 microbatch order), every message lands in the wire's own buffer (the stage's receive buffer of
 that id may still be saved for the previous batch's backward) and is unpacked when consumed, and
@@ -59,6 +60,7 @@ from torch.distributed.pipelining import PipelineStage
 from torchtitan.tools.logging import logger
 
 from protocol_models.tools.errors import as_link_fault
+from protocol_models.tools.nccl_rules import NCCL_DTYPES
 from protocol_models.wire.boundary_groups import BoundaryGroups, follows_nccl
 from protocol_models.wire.codecs import Codec, Payload
 from protocol_models.wire.link import SimulatedLink
@@ -149,8 +151,12 @@ class WirePipelineStage(PipelineStage):
         wire.stages.append(self)
 
     def enable_async(self) -> None:
-        """Asynchronous mode (module docstring); needs pre-posted receives."""
-        if not self.prepost:
+        """Asynchronous mode (module docstring); on gloo it needs ``prepost_receives``. On NCCL
+        its receives are posted just in time, as the synchronous schedules' are: a pending
+        receive is a kernel any device-wide wait would wait for (a compile's autotuning, a
+        ``cudaFree``), and over NCCL's sender-driven socket transport a late receive costs
+        nothing."""
+        if self.boundary_groups is None and not self.prepost:
             raise ValueError("the asynchronous schedule needs transport.prepost_receives = true")
         self.asynchronous = True
         self.versions = WeightVersions(self.submod)
@@ -227,8 +233,9 @@ class WirePipelineStage(PipelineStage):
         buffers are free. The trainer calls this when the step's schedule is over and another
         training step surely follows: the next step's first message is then posted for before
         its sender sends it, even though this stage still has the optimizer step (and the
-        gradient-norm exchange) ahead. No-op unless receives are pre-posted."""
-        if not self.prepost or self._forward_posted:  # asynchronous: posted a call ahead
+        gradient-norm exchange) ahead. No-op unless receives are pre-posted (in asynchronous
+        mode the schedule posts them a call ahead, except at a drain)."""
+        if not self.prepost or self._forward_posted:
             return
         if not self.asynchronous:
             self._check_consumed()
@@ -240,7 +247,10 @@ class WirePipelineStage(PipelineStage):
         ``next_forward`` (a training call of the next batch surely follows), the next call's
         forward receives too. The upstream stage runs up to a step ahead, so its first message
         of the next batch may leave before this stage's call is over; under gloo a receive
-        posted after its message was sent costs a round trip more."""
+        posted after its message was sent costs a round trip more. On NCCL nothing is posted
+        ahead: each receive is posted when its microbatch is consumed (``enable_async``)."""
+        if not self.prepost:
+            return
         self._post_step()
         if next_forward:
             self._post("fwd")
@@ -270,12 +280,17 @@ class WirePipelineStage(PipelineStage):
 
     def _post(self, direction: str) -> None:
         """Post this step's receives of ``direction``, in microbatch order."""
-        build = super().get_fwd_recv_ops if direction == "fwd" else super().get_bwd_recv_ops
         chunks = self.args_recv_info if direction == "fwd" else self.grad_recv_info
         for chunk in sorted(chunks):
-            for op in self._recv_ops(direction, chunk, build(chunk)):
-                work = op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
-                self._inbound[(direction, chunk)][-1].work = work
+            self._post_chunk(direction, chunk)
+
+    def _post_chunk(self, direction: str, chunk: int) -> None:
+        """Post the receive of microbatch ``chunk``'s message of ``direction`` (none when
+        nothing arrives this way)."""
+        build = super().get_fwd_recv_ops if direction == "fwd" else super().get_bwd_recv_ops
+        for op in self._recv_ops(direction, chunk, build(chunk)):
+            work = op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
+            self._inbound[(direction, chunk)][-1].work = work
 
     def _recv_ops(self, direction: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         """The one receive op of this microbatch's message in place of torch's, and the
@@ -323,9 +338,12 @@ class WirePipelineStage(PipelineStage):
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def _consume(self, direction: str, chunk: int) -> None:
-        """Wait for this microbatch's message (pre-posted), let the link model deliver it
-        (training only: evaluation runs with the link off), and unpack or decode it into the
-        stage's receive buffer. No-op when nothing arrives this way."""
+        """Wait for this microbatch's message (pre-posted; asynchronous mode on NCCL: posted
+        now), let the link model deliver it (training only: evaluation runs with the link off),
+        and unpack or decode it into the stage's receive buffer. No-op when nothing arrives this
+        way."""
+        if self.asynchronous and not self.prepost:
+            self._post_chunk(direction, chunk)
         queue = self._inbound.get((direction, chunk))
         if not queue:
             return
@@ -390,12 +408,8 @@ class WirePipelineStage(PipelineStage):
         )
 
 
-NCCL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
-               torch.bfloat16, torch.float32, torch.float64)  # fmt: skip
-"""Element types NCCL transfers; any other payload tensor travels as its bytes."""
-
-
 def _wire_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or (e.g. TopK's int16 indices) a uint8 view of the same memory: the bytes
-    on the wire are identical, and a receive into the view fills the typed buffer."""
+    """``t`` itself, or (e.g. TopK's int16 indices, a type NCCL has not) a uint8 view of the same
+    memory: the bytes on the wire are identical, and a receive into the view fills the typed
+    buffer."""
     return t if t.dtype in NCCL_DTYPES else t.view(torch.uint8)

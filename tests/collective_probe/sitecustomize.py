@@ -42,10 +42,6 @@ import protocol_models.training.optimizers  # noqa: E402
 import protocol_models.training.trainer  # noqa: E402
 import protocol_models.wire.norm_exchange  # noqa: E402
 import protocol_models.wire.stage  # noqa: E402
-from protocol_models.tools import nccl_rules  # noqa: E402
-
-if nccl_rules.enabled():  # the probe's checks wrap the rules' point-to-point calls
-    nccl_rules.install()
 
 SCOPED = {
     protocol_models.training.metrics.ProtocolMetricsProcessor: (
