@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, fake_commands, read_jsonl
 
-from protocol_models.training.placement import RankPlace, describe_placement, placement_problem
+from protocol_models.training.placement import (
+    RankPlace,
+    describe_placement,
+    interleaved_regions,
+    placement_problem,
+)
 
 
 def _two_nodes(
@@ -393,6 +398,15 @@ def test_placement_check_and_summary():
     unlabelled = [place(f"h{n // 2}", n // 2, n // 4, labelled=False) for n in range(8)]
     assert placement_problem(unlabelled).endswith(
         "set REGION on every node (unset, a node's region is its host name)"
+    )
+    assert interleaved_regions(good) is None and interleaved_regions(unlabelled) is None
+    # four 1-GPU nodes in regions a, b, a, b: three boundaries cross a slow link, one would
+    turns = [place("ab"[n % 2], n, n) for n in range(4)]
+    assert placement_problem(turns) is None
+    assert interleaved_regions(turns) == (
+        "the pipeline's stages take turns between regions (a, b, a, b): 3 boundaries cross a "
+        "slow link where 1 would; number the nodes (NODE_RANK) region by region so that each "
+        "region holds consecutive stages"
     )
 
 

@@ -128,3 +128,22 @@ def test_the_scan_finds_a_planted_patch(tmp_path):
     assert foreign_assignments(tmp_path) == {
         ("patch.py", "t.time"), ("patch.py", "time.<setattr>"), ("patch.py", "t.b")
     }  # fmt: skip
+
+
+OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list",
+                      "scatter_object_list", "send_object_list", "recv_object_list")  # fmt: skip
+"""torch's collectives that unpickle what other ranks send."""
+
+
+def test_the_plugin_exchanges_no_pickles():
+    """No module of the package calls one of torch's object collectives: its own exchanges of
+    small values are JSON in byte tensors (``tools.gather``), so a port reached from outside
+    cannot make a worker unpickle code through them."""
+    calls = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} {node.func.attr}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr in OBJECT_COLLECTIVES
+    ]  # fmt: skip
+    assert calls == []

@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
 
+from protocol_models.tools import gather
+
 FSDP_PROBE_ENV = "PROTOCOL_MODELS_FSDP_PROBE"
 """Set to 1 (by ``gpu_check``) to measure FSDP's collectives after the run's last step."""
 FILE_NAME = "fsdp_probe.json"
@@ -133,8 +135,7 @@ def measure(trainer) -> None:
         row["stage"] = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
         row["all_gathers_per_step"] = all_gathers_per_step(config)
         row["nccl_ib_disable"] = os.environ.get("NCCL_IB_DISABLE") == "1"
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, row)
+    everyone = gather.all_gather_json(row)
     if dist.get_rank() != metrics_rank(dims):
         return
     by_stage = {r["stage"]: r for r in everyone if r is not None}  # a stage's ranks agree

@@ -69,6 +69,7 @@ from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
+from protocol_models.tools import gather
 from protocol_models.tools.errors import ConfigError, StartupError
 from protocol_models.tools.ranges import AT_LEAST_1, OneOf, Range, Ranges
 
@@ -100,9 +101,7 @@ def complete_step_numbers(folder: str) -> list[int]:
 
 def nodes_of_ranks() -> list[int]:
     """Every rank's node rank, by global rank (a collective over the world)."""
-    nodes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, this_node())
-    return nodes
+    return gather.all_gather_json(this_node())
 
 
 def node_groups() -> tuple[int, int, dist.ProcessGroup]:
@@ -128,12 +127,11 @@ def shared_folder_problem(folder: str) -> str | None:
     nodes = sorted(set(nodes_of))
     if len(nodes) == 1:
         return None
-    token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
+    token = gather.all_gather_json(os.urandom(8).hex() if dist.get_rank() == 0 else None)[0]
     first = dist.get_rank() == nodes_of.index(this_node())
 
     def marker(node: int) -> str:
-        return os.path.join(folder, f".shared-check-{token[0]}-node{node}")
+        return os.path.join(folder, f".shared-check-{token}-node{node}")
 
     if first:
         os.makedirs(folder, exist_ok=True)
@@ -141,8 +139,7 @@ def shared_folder_problem(folder: str) -> str | None:
             pass
     dist.barrier()
     seen = [n for n in nodes if os.path.exists(marker(n))]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, seen if first else None)
+    everyone = gather.all_gather_json(seen if first else None)
     if first:
         os.remove(marker(this_node()))
     views = {nodes_of[r]: v for r, v in enumerate(everyone) if v is not None}
@@ -254,8 +251,7 @@ class NodeLoadPlanner(DefaultLoadPlanner):
         report = None
         if absent or short or error:
             report = (dist.get_rank(), this_node(), self.checkpoint_id, absent, short, error)
-        reports: list = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, report)
+        reports = gather.all_gather_json(report)
         if any(reports):
             self.refusal = lacks_line(reports)
             raise NodeCheckpointLacks(self.refusal)
@@ -359,8 +355,7 @@ class ProtocolCheckpointManager(CheckpointManager):
         has it, else the latest step complete on every rank (-1: none anywhere, a fresh start).
         A rank that lacks the requested step, or sees no step another rank has in common with
         it, raises one line naming what each node sees."""
-        seen: list = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, (this_node(), complete_step_numbers(self.folder)))
+        seen = gather.all_gather_json((this_node(), complete_step_numbers(self.folder)))
         common = set.intersection(*(set(steps) for _, steps in seen))
         latest = max((s for _, steps in seen for s in steps), default=-1)
         if requested == -1 and (common or latest == -1):

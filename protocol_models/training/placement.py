@@ -75,4 +75,22 @@ def placement_problem(places: list[RankPlace]) -> str | None:
     return None
 
 
-__all__ = ["RankPlace", "describe_placement", "placement_problem"]
+def interleaved_regions(places: list[RankPlace]) -> str | None:
+    """A warning when the labelled regions (``REGION`` on every node) take turns along the
+    pipeline, so that more boundaries cross a slow link than the regions need (index = global
+    rank); None when each region holds consecutive stages, or a region is unlabelled."""
+    if not all(place.labelled for place in places):
+        return None
+    order = [next(iter(regions)) for regions in _by_stage(places).values()]
+    crossings = sum(a != b for a, b in zip(order, order[1:], strict=False))
+    needed = len(set(order)) - 1
+    if crossings <= needed:
+        return None
+    return (
+        f"the pipeline's stages take turns between regions ({', '.join(order)}): {crossings} "
+        f"boundaries cross a slow link where {needed} would; number the nodes (NODE_RANK) region "
+        "by region so that each region holds consecutive stages"
+    )
+
+
+__all__ = ["RankPlace", "describe_placement", "interleaved_regions", "placement_problem"]

@@ -42,7 +42,7 @@ from torchtitan.trainer import Trainer
 from protocol_models.data.loader import TextDataLoader
 from protocol_models.model.loss import ModelLoss
 from protocol_models.model.model import ModelArch, build_model_spec
-from protocol_models.tools import nccl_rules
+from protocol_models.tools import gather, nccl_rules
 from protocol_models.tools.errors import StartupError, as_link_fault
 from protocol_models.training import run_record
 from protocol_models.training.console import Progress
@@ -51,7 +51,12 @@ from protocol_models.training.grassmann import SubspaceTracker
 from protocol_models.training.hardware import HardwareSettings
 from protocol_models.training.metrics import ProtocolMetricsProcessor
 from protocol_models.training.optimizer_hook import after_optimizers_built
-from protocol_models.training.placement import RankPlace, describe_placement, placement_problem
+from protocol_models.training.placement import (
+    RankPlace,
+    describe_placement,
+    interleaved_regions,
+    placement_problem,
+)
 from protocol_models.training.protocol import ProtocolSettings
 from protocol_models.training.stage_identity import protocol_identity, subspace_digest
 from protocol_models.training.stage_kwargs import add_protocol_kwargs
@@ -214,8 +219,7 @@ class ProtocolTrainer(Trainer):
         if not dims.pp_enabled:
             return
         mine = (protocol_identity(self.config), subspace_digest(self.model_parts[0]))
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (dims.get_mesh("pp").get_local_rank(), *mine))
+        everyone = gather.all_gather_json((dims.get_mesh("pp").get_local_rank(), *mine))
         holders: dict[tuple[str, str], list[tuple[int, int]]] = {}
         for rank, (stage, *held) in enumerate(everyone):
             holders.setdefault(tuple(held), []).append((rank, stage))
@@ -278,8 +282,7 @@ class ProtocolTrainer(Trainer):
             node=int(os.environ.get("GROUP_RANK", "0")),
             stage=dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0,
         )
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)  # NCCL: on the device TorchTitan set
+        everyone = [RankPlace(*place) for place in gather.all_gather_json(mine)]
         self.places: list[RankPlace] = everyone
         rank = dist.get_rank()
         where = f"REGION={mine.region}" if mine.labelled else "REGION unset"
@@ -289,6 +292,9 @@ class ProtocolTrainer(Trainer):
         )
         if rank == int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1:
             logger.info(f"placement: {describe_placement(everyone)}")
+            interleaved = interleaved_regions(everyone)
+            if interleaved is not None:
+                logger.warning(f"placement: {interleaved}")
         problem = placement_problem(everyone)
         if problem:
             raise StartupError(problem)

@@ -35,6 +35,7 @@ from protocol_models.tools import cpu_shim
 cpu_shim.install()  # as protocol_models.train does, before the trainer is imported here
 import protocol_models.cluster.fsdp_probe  # noqa: E402
 import protocol_models.model.model  # noqa: E402
+import protocol_models.tools.gather  # noqa: E402
 import protocol_models.training.grassmann  # noqa: E402
 import protocol_models.training.mapl_sync  # noqa: E402
 import protocol_models.training.metrics  # noqa: E402
@@ -57,6 +58,7 @@ SCOPED = {
         "_post_step",
     ),
     protocol_models.cluster.fsdp_probe: ("time_collectives",),
+    protocol_models.tools.gather: ("all_gather_json",),
 }  # fmt: skip
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "reduce_scatter_tensor", "reduce_scatter_single", "send", "recv", "batch_isend_irecv")  # fmt: skip
