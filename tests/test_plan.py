@@ -505,6 +505,9 @@ def test_two_region_plan_prices_the_crossing_boundary_and_the_run(capsys):
     assert "| the run's 100,000 steps: hours | " in out
     assert re.search(rf"hours \| [\d,.]+ h \| {hours:,.1f} h \|", out)
     assert re.search(rf"GPU-hours \| [\d,]+ \| {8 * hours:,.0f} \|", out)
+    assert "not counted: the optimizer step, validation, checkpoint saves" in out
+    bubble = re.search(r"\+ bubble .*?\| [\d.]+ s \(([\d.]+)% of the step\)", out)
+    assert bubble and float(bubble[1]) > 0, out  # the dense twin's small share is not "0%"
     assert "lopsided: stage 7 computes" in out and "LM head" in out
     better = re.search(r"better layout: (\d+) stages of (\[[\d, ]+\]) blocks .*\((configured "
                        r"[\d,]+): ([\d.]+)x", out)  # fmt: skip

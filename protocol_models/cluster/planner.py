@@ -220,7 +220,7 @@ def render(
         ("one forward message on the slowest link", lambda r: f"{r['link_s']:.3f} s"),
         ("step: compute (slowest stage x M)", lambda r: f"{r['compute_s']:.2f} s"),
         ("+ bubble (pipeline fill and drain)",
-         lambda r: f"{r['bubble_s']:.2f} s ({r['bubble_s'] / r['step_s']:.0%} of the step)"),
+         lambda r: f"{r['bubble_s']:.2f} s ({_share(r['bubble_s'], r['step_s'])} of the step)"),
         ("+ latency (fill and drain on the links)", lambda r: f"{r['latency_s']:.2f} s"),
         ("+ bytes (serialization)", lambda r: f"{r['bytes_s']:.2f} s"),
         ("+ collectives across the pipeline", lambda r: f"{r['collectives_s']:.2f} s"),
@@ -240,6 +240,13 @@ def render(
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join(cell(r) for r in predictions.values()) + " |")
     return "\n".join(lines)
+
+
+def _share(part: float, whole: float) -> str:
+    """``part`` as a share of ``whole``, to two significant figures below 10% (``0.33%``, not
+    ``0%``)."""
+    share = part / whole
+    return f"{share:.0%}" if share >= 0.1 else f"{100 * share:.2g}%"
 
 
 def nccl_lines(plans: list[StagePlan]) -> list[str]:
@@ -564,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     network = describe_network(links, local, local_assumed, source, fsdp, regions is not None)
     print(render(config, plans, wire_plan(config), predictions, network, local, known.mfu))
     refusal = async_refusal(config)
+    print("\nhours and GPU-hours: the run's steps x the predicted step; not counted: the "
+          "optimizer step, validation, checkpoint saves and the first step's compile")
     print(f"\n{async_assumptions(config)}")
     if refusal:
         print(f"\nAsync1F1B does not run this layout, so its rows above time these stages as if "
