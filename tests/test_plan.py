@@ -36,6 +36,7 @@ from protocol_models.cluster.planner import main as plan_main
 from protocol_models.config.run_config import load_config
 from protocol_models.model.layout import stage_layer_ranges
 from protocol_models.model.model import ModelArch
+from protocol_models.tools.errors import UserError
 from protocol_models.training.optimizers import OPTIMIZERS
 from protocol_models.wire.link import tcp_wire_bytes, transfer_seconds
 
@@ -549,15 +550,30 @@ def test_fsdp_inside_a_region_and_the_checkpoint_disk():
 
 def test_a_boundary_crosses_regions_when_any_of_its_rank_pairs_does():
     """Stage ``s``'s rank ``i`` sends to stage ``s + 1``'s rank ``i``: with 2 stages of 2
-    data-parallel ranks on 4 one-GPU nodes in regions of 1 and 3 nodes, the pair (0, 2) crosses
-    though the stages' adjacent ranks 1 and 2 share a region; in regions of 2 and 2 it crosses
-    too, and with both stages in one region nothing does."""
+    data-parallel ranks on 4 one-GPU nodes in regions of 2 and 2 nodes the boundary crosses, and
+    with both stages in one region it does not; regions of 1 and 3 nodes would split stage 0's
+    data-parallel group, which the launch refuses, and so does the planner."""
     config = load_config(None, [*TINY, "--protocol.layers_per_stage", "[2, 2]",
                                 "--parallelism.pipeline_parallel_degree", "2",
                                 "--hardware.gpus_per_node", "1"],
                          check_environment=False)  # fmt: skip
     slow = Link(80.0, 50.0)
     assert config.world_size == 4
-    for regions, crosses in (([1, 3], True), ([2, 2], True), ([4], False)):
+    for regions, crosses in (([2, 2], True), ([4], False)):
         (link,) = boundary_links(config, slow, regions, REGION)
         assert link.crosses == crosses, regions
+    with pytest.raises(UserError, match=r"stage 0 \(nodes 0-1\) would span regions 0, 1"):
+        boundary_links(config, slow, [1, 3], REGION)
+
+
+def test_regions_that_split_a_stage_are_refused_as_the_launch_refuses_them(capsys):
+    """The 8B puts each stage on 2 nodes: ``--regions 3,5`` would split stage 1's FSDP group
+    across regions, which the launch's placement check refuses, so the planner refuses it in one
+    line instead of predicting a step for it; ``2,2,2,2`` plans."""
+    toml = str(REPO / "configs/llama3_8b_protocol.toml")
+    link = ["--bandwidth-mbps", "80", "--latency-ms", "50"]
+    assert plan_main(["--toml", toml, "--regions", "3,5", *link]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: --regions 3,5: the data-parallel group of pipeline stage 1 "
+                           "(nodes 2-3) would span regions 0, 1, which the launch refuses")
+    assert plan_main(["--toml", toml, "--regions", "2,2,2,2", *link]) == 0

@@ -85,7 +85,8 @@ def boundary_links(
     the boundary crosses regions (every boundary when ``regions`` is None), ``local`` where it
     does not. A boundary crosses when any of its rank pairs (the stage's rank ``i`` sends to
     the next stage's rank ``i``) sits in two regions. ``regions`` must account for every node
-    of the run."""
+    of the run and keep each stage's ranks in one region, as the launch's placement check
+    requires (``training.placement``)."""
     stages = config.layout_stages
     per_stage = _ranks_per_stage(config)
     if regions is None:
@@ -101,6 +102,17 @@ def boundary_links(
     def region(rank: int) -> int:
         return region_of_node[rank // gpus]
 
+    for stage in range(stages if per_stage else 0):
+        spans = sorted({region(stage * per_stage + i) for i in range(per_stage)})
+        if len(spans) > 1:
+            raise UserError(
+                f"--regions {','.join(map(str, regions))}: the data-parallel group of pipeline "
+                f"stage {stage} (nodes {stage * per_stage // gpus}-"
+                f"{((stage + 1) * per_stage - 1) // gpus}) would span regions "
+                f"{', '.join(map(str, spans))}, which the launch refuses (its FSDP/replicate "
+                "traffic would cross a slow link every step); give region sizes that keep each "
+                "stage's nodes in one region"
+            )
     return [slow if any(region(b * per_stage + i) != region((b + 1) * per_stage + i)
                         for i in range(per_stage)) else local
             for b in range(stages - 1)]  # fmt: skip
